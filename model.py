@@ -1,0 +1,361 @@
+"""
+A Qwen3-style decoder with five residual modes: the standard residual stream, Kimi's Attention
+Residuals (Full and Block AttnRes, arXiv 2603.15031) and Delta Attention Residuals (Delta AttnRes and
+Delta Block, arXiv 2605.18855). One file, read top to bottom:
+
+1. the routing rule (`route`), the papers' core, in a few lines;
+2. the Qwen3 building blocks (RoPE, grouped-query attention with q/k norms, SwiGLU MLP);
+3. `GPT.forward`, where the five modes are two switches on one loop:
+      which sources are routed   (every sublayer's output, or per-block sums), and
+      how the routed mix is used (it REPLACES the sublayer input, or is ADDED to the residual stream);
+4. loading Hugging Face Qwen3 checkpoints, the optimizer and MFU helpers.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# residual mode -> (source granularity, how the routed mix enters the sublayer input)
+RESIDUAL_MODES = {
+    'standard':      (None,       None),       # h <- h + f(h)
+    'full_attnres':  ('sublayer', 'replace'),  # Kimi Full AttnRes:  x = sum_i a_i v_i
+    'attnres':       ('block',    'replace'),  # Kimi Block AttnRes: x = sum_i a_i b_i
+    'delta_attnres': ('sublayer', 'add'),      # Delta AttnRes:      x = h + sum_i a_i v_i
+    'delta_block':   ('block',    'add'),      # Delta Block:        x = h + sum_i a_i Delta_i
+}
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304
+    block_size: int = 1024          # longest sequence the model accepts (RoPE tables are this long)
+    n_layer: int = 12
+    n_head: int = 12                # query heads
+    n_kv_head: int = 4              # key/value heads (grouped-query attention)
+    n_embd: int = 768
+    head_dim: int = 64
+    intermediate_size: int = 3072
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    residual: str = 'standard'      # one of RESIDUAL_MODES
+    n_blocks: int = 4               # blocks for 'attnres' / 'delta_block'
+
+    def __post_init__(self):
+        if self.residual not in RESIDUAL_MODES:
+            raise ValueError(f"unknown residual mode {self.residual!r}; expected one of {', '.join(RESIDUAL_MODES)}")
+        for name in ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'head_dim', 'intermediate_size'):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not 1 <= self.n_blocks <= self.n_layer:
+            raise ValueError(f"n_blocks must be in 1..n_layer={self.n_layer}, got {self.n_blocks}")
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head}) for grouped-query attention")
+
+    @property
+    def layers_per_block(self):
+        # block k is layers [k*lpb, (k+1)*lpb); the last block may be shorter
+        return math.ceil(self.n_layer / self.n_blocks)
+
+
+# -----------------------------------------------------------------------------
+# The routing rule. One routing site = a pseudo-query w (a bias-free Linear(d, 1), zero-init) and an
+# RMSNorm with its own weight g. Over sources s_1..s_N, separately for every token:
+#
+#     alpha_i = softmax_i( w . RMSNorm_g(s_i) )          (fp32 softmax, no 1/sqrt(d))
+#     route   = sum_i alpha_i s_i
+#
+# The norm only shapes the logits ("keys"); the values are the raw sources. With w = 0 every alpha_i
+# is exactly 1/N.
+
+def route(sources, proj, norm):
+    """sources: list of N tensors (B, T, d). Returns (sum_i alpha_i s_i, alpha of shape (N, B, T))."""
+    V = torch.stack(sources)                                   # (N, B, T, d)
+    logits = proj(norm(V)).squeeze(-1)                         # (N, B, T) = w . RMSNorm(s_i)
+    alpha = logits.float().softmax(dim=0)
+    return torch.einsum('nbt,nbtd->btd', alpha.to(V.dtype), V), alpha
+
+
+def routing_stats(alpha):
+    """The papers' diagnostics for one site: how peaked the weights are, and where they go."""
+    return {
+        'max_weight': alpha.max(dim=0).values.mean(),                        # mean over tokens of max_i alpha_i
+        'entropy': -(alpha * alpha.clamp_min(1e-30).log()).sum(0).mean(),   # mean over tokens, in nats
+        'weights': alpha.mean(dim=(1, 2)),                                   # mean weight of each source
+    }
+
+
+# -----------------------------------------------------------------------------
+# Qwen3 building blocks
+
+def rope_tables(head_dim, length, theta):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)                  # rotate-half layout: [f_0..f_{k-1}, f_0..f_{k-1}]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)                        # rotate_half(x)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with Qwen3's per-head RMSNorm on q and k (before RoPE)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    """One decoder layer = two sublayers, f_attn(x) = attn(norm(x)) and f_mlp(x) = mlp(norm(x)),
+    each with its own routing site (pseudo-query + key norm) unless the mode is 'standard'.
+    The residual bookkeeping lives in GPT.forward, so that one loop serves every mode."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.n_embd
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+        if cfg.residual != 'standard':
+            self.attn_res_proj = nn.Linear(d, 1, bias=False)
+            self.attn_res_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+
+    def sublayers(self, cos, sin):
+        """(name, f, query, key norm) for the attention and the MLP sublayer, in order."""
+        return (
+            ('attn', lambda x: self.self_attn(self.input_layernorm(x), cos, sin),
+             getattr(self, 'attn_res_proj', None), getattr(self, 'attn_res_norm', None)),
+            ('mlp', lambda x: self.mlp(self.post_attention_layernorm(x)),
+             getattr(self, 'mlp_res_proj', None), getattr(self, 'mlp_res_norm', None)),
+        )
+
+
+# -----------------------------------------------------------------------------
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.granularity, self.mixing = RESIDUAL_MODES[config.residual]
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.n_layer))
+        self.norm = nn.RMSNorm(config.n_embd, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if self.mixing == 'replace':
+            # AttnRes replaces the residual stream, so the final norm also reads a routed mix
+            self.final_res_proj = nn.Linear(config.n_embd, 1, bias=False)
+            self.final_res_norm = nn.RMSNorm(config.n_embd, eps=config.rms_norm_eps)
+        cos, sin = rope_tables(config.head_dim, config.block_size, config.rope_theta)
+        self.register_buffer('rope_cos', cos, persistent=False)
+        self.register_buffer('rope_sin', sin, persistent=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        # Qwen3 from scratch: N(0, 0.02) for Linear and Embedding, norm weights 1 (nn.RMSNorm's
+        # default); routing queries 0, so that every site starts as a uniform average of its sources.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        for name, child in module.named_children():
+            if name.endswith('_res_proj'):
+                nn.init.zeros_(child.weight)
+
+    def get_num_params(self, non_embedding=False):
+        """Parameter count, tied weights once; non_embedding=True leaves out the embedding table."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed_tokens.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, stats=False):
+        """idx (B, T) token ids -> (logits (B, T, V), mean cross-entropy or None).
+        With stats=True also returns {site: routing_stats} (computed without gradients)."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        if not torch.compiler.is_compiling() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range "
+                             f"[{idx.min().item()}, {idx.max().item()}]")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        lpb = self.config.layers_per_block
+        site_stats = {}
+
+        def mix(name, sources, proj, norm):
+            out, alpha = route(sources, proj, norm)
+            if stats:
+                with torch.no_grad():
+                    site_stats[name] = routing_stats(alpha)
+            return out
+
+        E = self.embed_tokens(idx)
+        h = E                   # the ordinary residual stream (standard and Delta modes)
+        sources = [E]           # completed sources: [E, v_0, v_1, ...] or [E, b_1, b_2, ...]
+        partial = None          # block modes: sum of the current block's sublayer outputs so far
+        for i, layer in enumerate(self.layers):
+            for kind, f, proj, norm in layer.sublayers(cos, sin):
+                if self.mixing is None:
+                    x = h
+                else:
+                    if self.granularity == 'block' and kind == 'attn' and i % lpb == 0 and partial is not None:
+                        sources.append(partial)                        # block boundary: close the block
+                        partial = None
+                    routed = mix(f'layers.{i}.{kind}', sources + ([] if partial is None else [partial]), proj, norm)
+                    x = routed if self.mixing == 'replace' else h + routed
+                v = f(x)
+                if self.mixing != 'replace':
+                    h = h + v                                          # the residual stream is kept
+                if self.granularity == 'sublayer':
+                    sources.append(v)
+                elif self.granularity == 'block':
+                    partial = v if partial is None else partial + v    # = h(now) - h(block start) in Delta Block
+        if self.mixing == 'replace':
+            h = mix('final', sources + ([] if partial is None else [partial]), self.final_res_proj, self.final_res_norm)
+
+        logits = self.lm_head(self.norm(h))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return (logits, loss, site_stats) if stats else (logits, loss)
+
+    # -------------------------------------------------------------------------
+    # Loading Hugging Face Qwen3 checkpoints (config.json + safetensors), no `transformers` needed.
+
+    @classmethod
+    def from_qwen3(cls, path, **overrides):
+        """Build a model of any residual mode from a LOCAL Qwen3 checkpoint directory. Its tensors load
+        by name; the routing parameters keep their from-scratch init (zero queries: uniform routing)."""
+        from safetensors import safe_open
+        path = Path(path)
+        if not (path / 'config.json').is_file():
+            raise ValueError(f"{path} is not a Hugging Face checkpoint directory: it has no config.json")
+        hf = json.loads((path / 'config.json').read_text())
+        if hf.get('model_type') != 'qwen3':
+            raise ValueError(f"{path} holds a {hf.get('model_type')!r} model; expected model_type 'qwen3'")
+        for rope in (hf.get('rope_scaling'), hf.get('rope_parameters')):   # older and newer HF writers
+            if rope and rope.get('rope_type', rope.get('type', 'default')) != 'default':
+                raise ValueError(f"rope scaling {rope} is not implemented; only plain RoPE ('default') is")
+        rope_theta = hf.get('rope_theta', (hf.get('rope_parameters') or {}).get('rope_theta', 1e6))
+        if hf.get('use_sliding_window') or 'sliding_attention' in hf.get('layer_types', []):
+            raise ValueError("sliding-window attention layers are not implemented; only full causal attention is")
+        if hf.get('attention_bias'):
+            raise ValueError("attention biases are not implemented (attention_bias=true); Qwen3 has none")
+        if hf.get('hidden_act', 'silu') != 'silu':
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not implemented; expected 'silu' (SwiGLU)")
+        args = dict(
+            vocab_size=hf['vocab_size'], block_size=hf['max_position_embeddings'],
+            n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
+            n_kv_head=hf.get('num_key_value_heads', hf['num_attention_heads']), n_embd=hf['hidden_size'],
+            head_dim=hf.get('head_dim', hf['hidden_size'] // hf['num_attention_heads']),
+            intermediate_size=hf['intermediate_size'],
+            rope_theta=float(rope_theta),
+            rms_norm_eps=hf.get('rms_norm_eps', 1e-6), tie_embeddings=hf.get('tie_word_embeddings', False),
+        )
+        model = cls(GPTConfig(**{**args, **overrides}))
+
+        if (path / 'model.safetensors.index.json').is_file():
+            shards = sorted(set(json.loads((path / 'model.safetensors.index.json').read_text())['weight_map'].values()))
+        elif (path / 'model.safetensors').is_file():
+            shards = ['model.safetensors']
+        else:
+            raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+        tensors = {}
+        for shard in shards:
+            with safe_open(path / shard, framework='pt') as f:
+                for key in f.keys():
+                    tensors[key.removeprefix('model.')] = f.get_tensor(key)   # HF nests the decoder under 'model.'
+        if model.config.tie_embeddings:
+            tensors.pop('lm_head.weight', None)      # tied: the embedding is the head
+        own = model.state_dict()
+        expected = {k for k in own if '_res_' not in k and not (model.config.tie_embeddings and k == 'lm_head.weight')}
+        missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
+        if missing or unexpected:
+            raise ValueError(f"{path} does not match a Qwen3 model of this shape: missing tensors {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}")
+        for k, t in tensors.items():
+            if t.shape != own[k].shape:
+                raise ValueError(f"tensor {k} has shape {tuple(t.shape)} in {path}, expected {tuple(own[k].shape)}")
+        with torch.no_grad():
+            for k, t in tensors.items():
+                own[k].copy_(t)
+        return model
+
+    # -------------------------------------------------------------------------
+    # Training helpers, as in nanoGPT
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW. Weight decay only on matmul weights: not on norms, biases or the routing queries
+        (a decayed query is pulled back to uniform routing)."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if p.requires_grad:
+                (no_decay if p.dim() < 2 or '_res_' in name else decay).append(p)
+        groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
+
+    def routing_sources(self):
+        """Number of sources each routing site sees, in forward order (for the FLOP count)."""
+        cfg, lpb = self.config, self.config.layers_per_block
+        if self.mixing is None:
+            return []
+        if self.granularity == 'sublayer':
+            counts = list(range(1, 2 * cfg.n_layer + 1))
+        else:   # [E, blocks so far] + the partial block, which is empty only at a block's first attention
+            counts = [1 + i // lpb + (kind == 'mlp' or i % lpb != 0) for i in range(cfg.n_layer) for kind in ('attn', 'mlp')]
+        if self.mixing == 'replace':   # the final site also sees the last sublayer's output
+            counts.append(counts[-1] + (self.granularity == 'sublayer'))
+        return counts
+
+    def flops_per_token(self, T):
+        """Training FLOPs (forward + backward) per token: 6N for the matmuls, attention scores as in
+        nanoGPT/PaLM, and the routing: per site with N sources the logits (2Nd) and the mix (2Nd)."""
+        cfg = self.config
+        # the embedding lookup is no matmul, but a tied table is also the LM head, which is one
+        matmul_params = self.get_num_params(non_embedding=not cfg.tie_embeddings)
+        attention = 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+        routing = 3 * sum(4 * n * cfg.n_embd for n in self.routing_sources())
+        return 6 * matmul_params + attention + routing
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=989e12):
+        """Model FLOPs utilisation: achieved FLOP/s over peak_flops (default: H100 BF16 dense)."""
+        flops = self.flops_per_token(self.config.block_size) * self.config.block_size * fwdbwd_per_iter
+        return flops / dt / peak_flops
