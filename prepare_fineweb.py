@@ -96,7 +96,14 @@ def local_documents(files, text_column, sample_by):
 
 def fineweb_documents(dataset, subset):
     from datasets import load_dataset
-    for row in load_dataset(dataset, name=subset, split='train', streaming=True):
+    try:
+        rows = iter(load_dataset(dataset, name=subset, split='train', streaming=True))
+        first = next(rows)
+    except Exception as e:
+        raise RuntimeError(f"could not stream {dataset} ({subset}) from the Hugging Face Hub ({type(e).__name__}: {e}). "
+                           f"Offline options: `--demo`, or your own files with `--local FILE...`") from e
+    yield first['text']
+    for row in rows:
         yield row['text']
 
 
@@ -115,7 +122,7 @@ def _tokenize(text):
     return digest, np.array([_enc.eot_token] + _enc.encode_ordinary(text), dtype=np.uint16)
 
 
-def _tokenize_stream(pool, documents, chunk=1024):
+def _tokenize_stream(pool, documents, chunk=256):
     """Pool.imap would read the whole (possibly endless, streamed) input ahead; feeding it a chunk of
     documents at a time bounds what is downloaded and held in memory. imap keeps document order, so
     the output is the same for any number of processes."""
@@ -134,7 +141,19 @@ def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_s
     partial = out_dir + '.partial'
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
+    try:
+        meta = _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_tokens, shard_size, num_proc)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # no half-written dataset left behind, whatever stopped us
+        raise
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(partial, out_dir)
+    return meta
 
+
+def _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_tokens, shard_size, num_proc):
+    """The work of prepare(): val documents are kept in memory until the end, training shards are
+    written as they fill up."""
     val, val_hashes = [], set()
     n_val = n_train = n_docs_val = n_docs_train = n_dupes = 0
     shard, shard_fill, shard_index = np.empty(shard_size, dtype=np.uint16), 0, 1
@@ -169,7 +188,6 @@ def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_s
     if shard_fill:
         write_shard(os.path.join(partial, f'{name}_train_{shard_index:06d}.bin'), shard[:shard_fill])
     if n_train == 0:
-        shutil.rmtree(partial)
         raise ValueError(f"the corpus has only {n_val:,} tokens in {n_docs_val} documents, all taken by the "
                          f"validation split; lower --val_tokens or add data")
     write_shard(os.path.join(partial, f'{name}_val_000000.bin'), np.concatenate(val))
@@ -178,8 +196,6 @@ def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_s
                 train_duplicates_of_val_dropped=n_dupes, shard_size=shard_size)
     with open(os.path.join(partial, 'meta.json'), 'w') as f:
         json.dump(meta, f, indent=2)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(partial, out_dir)
     return meta
 
 

@@ -104,6 +104,17 @@ def test_gpt2_unavailable_offline_names_the_offline_options(tmp_path, monkeypatc
     assert not (tmp_path / 'local').exists()
 
 
+def test_fineweb_unreachable_names_the_offline_options(tmp_path, monkeypatch):
+    import datasets
+
+    def no_network(*args, **kwargs):
+        raise ConnectionError('no network')
+    monkeypatch.setattr(datasets, 'load_dataset', no_network)
+    with pytest.raises(SystemExit, match='could not stream HuggingFaceFW/fineweb-edu.*--demo.*--local'):
+        prep.main(['--tokenizer=byte', f'--data_root={tmp_path}', '--num_proc=1'])
+    assert list(tmp_path.iterdir()) == []  # no half-written dataset left behind
+
+
 def test_bad_inputs_give_clear_errors(tmp_path):
     (tmp_path / 'c.jsonl').write_text('{"body": "hello"}\n')
     with pytest.raises(ValueError, match="no 'text' column"):

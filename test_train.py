@@ -134,13 +134,14 @@ if not g['fsdp']:
 """
 
 
-def test_ddp_two_processes_match_one(corpus, tmp_path):
+def test_ddp_and_fsdp_two_processes_match_one(corpus, tmp_path):
     wrapper = tmp_path / 'wrapper.py'
     wrapper.write_text(WRAPPER)
-    args = ['--max_iters=4', '--lr_decay_iters=4', '--eval_interval=2', '--gradient_accumulation_steps=2']
+    args = ['--max_iters=4', '--lr_decay_iters=4', '--eval_interval=2', '--gradient_accumulation_steps=2',
+            '--residual=attnres']
+    _, single = train(corpus, tmp_path / 'single', *args, wrapper=wrapper)
     p, ddp = train(corpus, tmp_path / 'ddp', *args, torchrun=True, wrapper=wrapper)
     assert '2 process(es) x 1 micro-batches x 4 x 32 = 256 tokens per step (DDP)' in p.stdout
-    _, single = train(corpus, tmp_path / 'single', *args, wrapper=wrapper)
     r0, r1 = (torch.load(tmp_path / 'ddp' / f'rank{r}.pt') for r in (0, 1))
     s = torch.load(tmp_path / 'single' / 'rank0.pt')
     assert all(torch.equal(r0[k], r1[k]) for k in r0)  # the ranks hold identical weights
@@ -148,31 +149,26 @@ def test_ddp_two_processes_match_one(corpus, tmp_path):
         torch.testing.assert_close(r0[k], s[k], rtol=1e-4, atol=1e-5)
     for step, loss in losses(single).items():
         assert losses(ddp)[step] == pytest.approx(loss, rel=1e-5)
-    for step, loss in val_losses(single).items():
+    assert val_losses(single).keys() == val_losses(ddp).keys() == {0, 2, 4}
+    for step, loss in val_losses(single).items():  # the same val batches, split over the ranks
         assert val_losses(ddp)[step] == pytest.approx(loss, rel=1e-5)
 
-
-def test_fsdp_two_processes_match_one(corpus, tmp_path):
-    args = ['--max_iters=3', '--lr_decay_iters=3', '--eval_interval=3', '--gradient_accumulation_steps=2',
-            '--residual=attnres']
-    _, single = train(corpus, tmp_path / 'single', *args)
+    # FSDP2 with activation checkpointing: sharded training, then a full checkpoint like the others
     p, fsdp = train(corpus, tmp_path / 'fsdp', *args, '--fsdp=True', '--activation_checkpointing=True', torchrun=True)
     assert '(FSDP2, activation checkpointing)' in p.stdout
     a = torch.load(tmp_path / 'single' / 'ckpt.pt', weights_only=False)
     b = torch.load(tmp_path / 'fsdp' / 'ckpt.pt', weights_only=False)
-    assert a['model'].keys() == b['model'].keys()  # full, unsharded state dict with the plain names
+    assert a['model'].keys() == b['model'].keys()  # unsharded, with the plain parameter names
     for k in a['model']:
         torch.testing.assert_close(b['model'][k], a['model'][k], rtol=1e-4, atol=1e-5)
-    assert val_losses(fsdp)[3] == pytest.approx(val_losses(single)[3], rel=1e-5)
+    for step, loss in losses(single).items():
+        assert losses(fsdp)[step] == pytest.approx(loss, rel=1e-5)
 
 
-def test_train_rejects_bad_settings(corpus, tmp_path):
+def test_train_rejects_an_unknown_residual_mode(corpus, tmp_path):
+    # (bad data, batches that do not fit the data and bad config keys: test_data.py and below)
     p, _ = train(corpus, tmp_path, '--residual=delta', check=False)
     assert p.returncode != 0 and "residual='delta' is not a residual mode" in p.stderr
-    p, _ = train(corpus, tmp_path, f'--data_root={tmp_path}', check=False)
-    assert p.returncode != 0 and 'prepare_fineweb.py --demo' in p.stderr
-    p, _ = train(corpus, tmp_path, '--batch_size=5000', check=False)
-    assert p.returncode != 0 and 'one step needs' in p.stderr
 
 
 def train_defaults():
