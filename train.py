@@ -106,6 +106,8 @@ if ddp:
         torch.cuda.set_device(device)
 else:
     rank, local_rank, world_size = 0, 0, 1
+if fsdp and not ddp:
+    raise ValueError("fsdp=True shards the model over processes: launch with torchrun")
 master = rank == 0
 if gradient_accumulation_steps % world_size:
     raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} (summed over processes) must be "
@@ -164,8 +166,6 @@ if activation_checkpointing:
     for layer in model.layers:
         layer.self_attn, layer.mlp = checkpoint_wrapper(layer.self_attn), checkpoint_wrapper(layer.mlp)
 if fsdp:
-    if not ddp:
-        raise ValueError("fsdp=True needs several processes: launch with torchrun")
     from torch.distributed.fsdp import fully_shard
     for layer in model.layers:
         fully_shard(layer.self_attn)
