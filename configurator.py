@@ -1,0 +1,58 @@
+"""
+Poor Man's Configurator (nanoGPT's, made strict). Run from a training script as
+    exec(open('configurator.py').read())
+after it has defined its settings as plain globals (int, float, bool, str or None). Then
+    python train.py config/delta_block_220m.py --batch_size=32 --compile=False
+first executes config/delta_block_220m.py, then applies each --key=value in order. Both paths only
+accept keys the script defines and values of the same type (an int is fine where a float is expected;
+a setting that defaults to None takes anything), so a typo fails loudly instead of being ignored.
+We exec into the script's globals instead of importing a config module: it keeps the script flat and
+every setting visible with a single grep, at the price of this small file being a bit unusual.
+"""
+import sys
+from ast import literal_eval
+from difflib import get_close_matches
+
+
+def _check_setting(key, value, known, source):
+    if key not in known:
+        hint = get_close_matches(key, list(known), n=1)
+        raise ValueError(f"unknown config key {key!r} in {source}" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+    default = known[key]
+    ok = (default is None or type(value) is type(default)
+          or (type(default) is float and type(value) is int))
+    if not ok:
+        raise ValueError(f"config key {key!r} in {source} must be {type(default).__name__} "
+                         f"(like its default {default!r}), got {type(value).__name__} {value!r}")
+    return float(value) if type(default) is float else value
+
+
+_known = {k: v for k, v in globals().items()
+          if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}
+for _arg in sys.argv[1:]:
+    if not _arg.startswith('--'):
+        # a config file: run it in a scratch namespace (so it may use helpers and exec a shared base),
+        # then copy over the settings it made
+        print(f"Overriding config with {_arg}")
+        _ns = {}
+        try:
+            with open(_arg) as _f:
+                exec(compile(_f.read(), _arg, 'exec'), _ns)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file {_arg} does not exist") from None
+        for _key, _val in _ns.items():
+            if not _key.startswith('_') and isinstance(_val, (int, float, bool, str, type(None))):
+                globals()[_key] = _check_setting(_key, _val, _known, _arg)
+    else:
+        if '=' not in _arg:
+            raise ValueError(f"command-line setting {_arg!r} must look like --key=value")
+        _key, _val = _arg[2:].split('=', 1)
+        if isinstance(_known.get(_key), str):
+            _attempt = _val  # strings stay strings: --out_dir=123 is the folder '123'
+        else:
+            try:
+                _attempt = literal_eval(_val)  # numbers, True/False, None
+            except (SyntaxError, ValueError):
+                _attempt = _val
+        globals()[_key] = _check_setting(_key, _attempt, _known, 'the command line')
+        print(f"Overriding: {_key} = {globals()[_key]!r}")

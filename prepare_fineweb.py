@@ -1,0 +1,230 @@
+"""
+Tokenize a text corpus into the token shards train.py reads (format: data.py).
+
+    python prepare_fineweb.py                          # FineWeb-Edu sample-10BT, GPT-2 BPE, 1.4B tokens
+    python prepare_fineweb.py --demo                   # offline: the Python standard library, byte tokens
+    python prepare_fineweb.py --local a.jsonl b.jsonl --tokenizer=byte --name=mine   # offline: your files
+
+FineWeb-Edu is read in streaming mode, so only the documents needed for --max_tokens are downloaded.
+Every document is preceded by <|endoftext|>. The first documents (at least --val_tokens tokens of
+them) form the validation shard; all later documents go to the training shards, and any later document
+whose text is identical to a validation document is dropped, so validation text never appears in
+training. (The official Attention Residuals code evaluates on its training stream with another seed.)
+The result is written to data/<name>.partial/ and renamed to data/<name>/ only when complete, so an
+interrupted run never leaves a half dataset that looks finished.
+"""
+
+import argparse
+import hashlib
+import itertools
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+from tqdm import tqdm
+
+from data import write_shard
+
+LOCAL_BUILDERS = {'.parquet': 'parquet', '.jsonl': 'json', '.json': 'json', '.txt': 'text'}
+
+
+def get_tokenizer(name):
+    """The one place that maps a tokenizer name to an encoder (anything with encode_ordinary, eot_token,
+    n_vocab and name). Add new tokenizers here."""
+    if name == 'byte':
+        # 256 byte tokens + <|endoftext|>: tiktoken builds it from the ranks alone, nothing to download.
+        # With no merges, byte-level BPE is the identity on bytes, so any text (any language, any code)
+        # is encodable; the price is ~4x more tokens than GPT-2's BPE for English.
+        return tiktoken.Encoding(
+            name='byte',
+            pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+            mergeable_ranks={bytes([i]): i for i in range(256)},
+            special_tokens={'<|endoftext|>': 256},
+        )
+    if name == 'gpt2':
+        try:
+            return tiktoken.get_encoding('gpt2')
+        except Exception as e:
+            raise RuntimeError(
+                f"could not fetch the GPT-2 BPE files for tiktoken ({type(e).__name__}: {e}). tiktoken "
+                f"downloads them once from openaipublic.blob.core.windows.net and caches them in "
+                f"$TIKTOKEN_CACHE_DIR. Offline options: `--demo` (the Python standard library with the byte "
+                f"tokenizer), or your own files with `--local FILE... --tokenizer=byte`; or copy a tiktoken "
+                f"cache from a machine with network access into $TIKTOKEN_CACHE_DIR.") from e
+    raise ValueError(f"unknown tokenizer {name!r}; choose 'gpt2' or 'byte'")
+
+
+def demo_documents():
+    """The .py files of the standard library that ships with this interpreter, one document each,
+    in a fixed shuffled order (so the validation split is a random sample of modules, not 'a*.py')."""
+    stdlib = Path(sysconfig.get_paths()['stdlib'])
+    files = sorted(p for p in stdlib.rglob('*.py')
+                   if not {'site-packages', 'dist-packages'} & set(p.relative_to(stdlib).parts))
+    if not files:
+        raise FileNotFoundError(f"no .py files under {stdlib}; this Python ships without its standard library "
+                                f"sources, so the demo corpus is unavailable: use --local FILE... instead")
+    random.Random(0).shuffle(files)
+    for p in files:
+        yield p.read_text(encoding='utf-8', errors='replace')
+
+
+def local_documents(files, text_column, sample_by):
+    """Documents from local parquet/jsonl/txt files through datasets' own builders (streamed)."""
+    from datasets import load_dataset
+    for f in files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"--local file {f} does not exist")
+    kinds = {LOCAL_BUILDERS.get(Path(f).suffix.lower()) for f in files}
+    if None in kinds or len(kinds) > 1:
+        raise ValueError(f"--local files must all be one kind, with suffix one of {sorted(LOCAL_BUILDERS)}; got {files}")
+    builder = kinds.pop()
+    kwargs = {'sample_by': sample_by} if builder == 'text' else {}
+    ds = load_dataset(builder, data_files=list(files), split='train', streaming=True, **kwargs)
+    for row in ds:
+        if text_column not in row:
+            raise ValueError(f"--local rows have no {text_column!r} column (columns: {sorted(row)}); set --text_column")
+        yield row[text_column]
+
+
+def fineweb_documents(dataset, subset):
+    from datasets import load_dataset
+    for row in load_dataset(dataset, name=subset, split='train', streaming=True):
+        yield row['text']
+
+
+_enc = None
+
+
+def _init_worker(tokenizer):
+    global _enc
+    _enc = get_tokenizer(tokenizer)
+
+
+def _tokenize(text):
+    """-> (hash of the text, its tokens). <|endoftext|> goes *before* each document, so the model always
+    starts a document right after it. The hash lets the main process spot training copies of val texts."""
+    digest = hashlib.blake2b(text.encode('utf-8', errors='replace'), digest_size=16).digest()
+    return digest, np.array([_enc.eot_token] + _enc.encode_ordinary(text), dtype=np.uint16)
+
+
+def _tokenize_stream(pool, documents, chunk=1024):
+    """Pool.imap would read the whole (possibly endless, streamed) input ahead; feeding it a chunk of
+    documents at a time bounds what is downloaded and held in memory. imap keeps document order, so
+    the output is the same for any number of processes."""
+    documents = iter(documents)
+    while texts := list(itertools.islice(documents, chunk)):
+        yield from pool.imap(_tokenize, texts, chunksize=16)
+
+
+def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_size, num_proc):
+    """Tokenize `documents` (an iterable of str) into out_dir; returns the meta dict written to meta.json."""
+    enc = get_tokenizer(tokenizer)  # fail early (e.g. no network for GPT-2) before starting any work
+    if enc.n_vocab > 2 ** 16:
+        raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} tokens; the uint16 shard format holds 65,536")
+    if max_tokens is not None and max_tokens <= val_tokens:
+        raise ValueError(f"--max_tokens ({max_tokens:,}) must exceed --val_tokens ({val_tokens:,}) to leave training data")
+    partial = out_dir + '.partial'
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+
+    val, val_hashes = [], set()
+    n_val = n_train = n_docs_val = n_docs_train = n_dupes = 0
+    shard, shard_fill, shard_index = np.empty(shard_size, dtype=np.uint16), 0, 1
+    bar = tqdm(total=max_tokens, unit='tok', unit_scale=True, desc=f'tokenizing {name}')
+    with mp.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        for digest, toks in _tokenize_stream(pool, documents):
+            if n_val < val_tokens:  # still filling the validation split with whole documents
+                val.append(toks)
+                val_hashes.add(digest)
+                n_val += len(toks)
+                n_docs_val += 1
+                bar.update(len(toks))
+                continue
+            if digest in val_hashes:
+                n_dupes += 1
+                continue
+            if max_tokens is not None:
+                toks = toks[:max_tokens - n_val - n_train]  # the last document may be cut to respect the budget
+            n_docs_train += 1
+            n_train += len(toks)
+            bar.update(len(toks))
+            while len(toks):  # documents may span shard boundaries (training samples windows anyway)
+                k = min(len(toks), shard_size - shard_fill)
+                shard[shard_fill:shard_fill + k] = toks[:k]
+                shard_fill, toks = shard_fill + k, toks[k:]
+                if shard_fill == shard_size:
+                    write_shard(os.path.join(partial, f'{name}_train_{shard_index:06d}.bin'), shard)
+                    shard_fill, shard_index = 0, shard_index + 1
+            if max_tokens is not None and n_val + n_train >= max_tokens:
+                break  # leaving the with-block terminates the pool: nothing more is read
+    bar.close()
+    if shard_fill:
+        write_shard(os.path.join(partial, f'{name}_train_{shard_index:06d}.bin'), shard[:shard_fill])
+    if n_train == 0:
+        shutil.rmtree(partial)
+        raise ValueError(f"the corpus has only {n_val:,} tokens in {n_docs_val} documents, all taken by the "
+                         f"validation split; lower --val_tokens or add data")
+    write_shard(os.path.join(partial, f'{name}_val_000000.bin'), np.concatenate(val))
+    meta = dict(name=name, tokenizer=tokenizer, vocab_size=enc.n_vocab, eot_token=enc.eot_token,
+                val_tokens=n_val, val_documents=n_docs_val, train_tokens=n_train, train_documents=n_docs_train,
+                train_duplicates_of_val_dropped=n_dupes, shard_size=shard_size)
+    with open(os.path.join(partial, 'meta.json'), 'w') as f:
+        json.dump(meta, f, indent=2)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(partial, out_dir)
+    return meta
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument('--demo', action='store_true', help='offline demo corpus: the Python standard library .py files')
+    src.add_argument('--local', nargs='+', metavar='FILE', help='local .parquet, .jsonl/.json or .txt files')
+    ap.add_argument('--dataset', default='HuggingFaceFW/fineweb-edu', help='Hugging Face dataset (streamed)')
+    ap.add_argument('--subset', default='sample-10BT')
+    ap.add_argument('--tokenizer', choices=['gpt2', 'byte'], help='default: byte for --demo, gpt2 otherwise')
+    ap.add_argument('--name', help='output folder data/<name>; default: demo, local or fineweb_edu')
+    ap.add_argument('--data_root', default='data')
+    ap.add_argument('--max_tokens', type=int,
+                    help='stop after this many tokens (val + train); default: 1.4B for FineWeb-Edu, enough for the '
+                         "paper's 10,000 steps x 64 x 2048 = 1.31B training tokens; everything for --demo/--local")
+    ap.add_argument('--val_tokens', type=int, help='size of the validation split, rounded up to whole documents; '
+                                                   'default 10M for FineWeb-Edu, 256K otherwise')
+    ap.add_argument('--shard_size', type=int, default=100_000_000, help='tokens per training shard')
+    ap.add_argument('--text_column', default='text', help='--local parquet/jsonl: the column holding the text')
+    ap.add_argument('--sample_by', default='paragraph', choices=['line', 'paragraph', 'document'],
+                    help='--local .txt: what counts as one document (blank-line-separated paragraphs by default)')
+    ap.add_argument('--num_proc', type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    args = ap.parse_args(argv)
+
+    if args.demo:
+        documents, default_name = demo_documents(), 'demo'
+    elif args.local:
+        documents, default_name = local_documents(args.local, args.text_column, args.sample_by), 'local'
+    else:
+        documents, default_name = fineweb_documents(args.dataset, args.subset), 'fineweb_edu'
+    remote = not (args.demo or args.local)
+    tokenizer = args.tokenizer or ('byte' if args.demo else 'gpt2')
+    max_tokens = args.max_tokens if args.max_tokens is not None else (1_400_000_000 if remote else None)
+    val_tokens = args.val_tokens if args.val_tokens is not None else (10_000_000 if remote else 256 * 1024)
+    name = args.name or default_name
+    out_dir = os.path.join(args.data_root, name)
+    try:
+        meta = prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, args.shard_size, args.num_proc)
+    except (RuntimeError, ValueError, FileNotFoundError) as e:
+        sys.exit(f"prepare_fineweb.py: error: {e}")
+    print(f"wrote {out_dir}: val {meta['val_tokens']:,} tokens ({meta['val_documents']:,} documents), "
+          f"train {meta['train_tokens']:,} tokens ({meta['train_documents']:,} documents), "
+          f"{meta['train_duplicates_of_val_dropped']} duplicates of val documents dropped; "
+          f"tokenizer {tokenizer} (vocab {meta['vocab_size']:,})")
+
+
+if __name__ == '__main__':
+    main()
