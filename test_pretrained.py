@@ -2,6 +2,7 @@
 Everything runs offline on tiny checkpoints the tests write. Run: python -m pytest -q"""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,3 +191,96 @@ def test_export_refuses_mismatched_loads(tmp_path):
         GPT.from_qwen3(tmp_path, identity_init=True)
     with pytest.raises(ValueError, match='res_gate applies to the additive modes'):
         make_model('attnres', res_gate=True)
+
+
+# -----------------------------------------------------------------------------
+# Tokenizers: a checkpoint's own tokenizer.json for data preparation and sampling
+
+CORPUS = ["the cat sat on the mat", "the dog sat on the log", "a cat and a dog", "on the mat the cat sat"] * 5
+
+
+def write_tiny_tokenizer(path):
+    """A byte-level BPE tokenizer.json like Qwen3's, trained on a toy corpus, small enough (< 61 ids)
+    for the tiny models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=50, special_tokens=['<|endoftext|>'], initial_alphabet=[]))
+    tok.save(str(path / 'tokenizer.json'))
+    return path / 'tokenizer.json'
+
+
+def test_prepare_with_a_tokenizer_json(tmp_path):
+    import data
+    import prepare_fineweb
+    file = write_tiny_tokenizer(tmp_path)
+    enc = prepare_fineweb.get_tokenizer(str(tmp_path))          # a checkpoint directory holding tokenizer.json
+    assert enc.name == str(file) and enc.n_vocab <= 50 and enc.eot_token == 0
+    assert enc.decode(enc.encode_ordinary('the cat sat')) == 'the cat sat'
+    assert enc.encode_ordinary('<|endoftext|>') != [enc.eot_token]   # in a text it is text, as in tiktoken
+    meta = prepare_fineweb.prepare(iter(CORPUS), str(tmp_path / 'toy'), 'toy', str(file), None, 10, 1000, 1)
+    assert meta['tokenizer'] == str(file) and meta['vocab_size'] == enc.n_vocab
+    val = data.read_shard(str(tmp_path / 'toy' / 'toy_val_000000.bin'))
+    assert val.dtype == 'uint16' and list(val[:1 + len(enc.encode_ordinary(CORPUS[0]))]) == [0] + enc.encode_ordinary(CORPUS[0])
+    with pytest.raises(FileNotFoundError, match='without tokenizer.json'):
+        prepare_fineweb.get_tokenizer(str(tmp_path / 'toy'))
+
+
+def test_vocabularies_over_65536_use_uint32_shards(tmp_path):
+    # Qwen3's 151,936 ids do not fit llm.c's uint16 format: version 2 stores uint32
+    import data
+    import prepare_fineweb
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f'w{i}': i for i in range(70_000)} | {'<unk>': 70_000, '<|endoftext|>': 70_001}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(['<|endoftext|>'])
+    tok.save(str(tmp_path / 'tokenizer.json'))
+    docs = ['w69999 w3', 'w65536 w1 w2', 'w7']
+    prepare_fineweb.prepare(iter(docs), str(tmp_path / 'big'), 'big', str(tmp_path / 'tokenizer.json'), None, 3, 1000, 1)
+    val = data.read_shard(str(tmp_path / 'big' / 'big_val_000000.bin'))
+    train = data.read_shard(str(tmp_path / 'big' / 'big_train_000001.bin'))
+    assert val.dtype == 'uint32' and list(val) == [70_001, 69_999, 3]
+    assert list(train) == [70_001, 65_536, 1, 2, 70_001, 7]
+
+
+# -----------------------------------------------------------------------------
+# sample.py
+
+@pytest.mark.parametrize('mode', MODES)
+def test_generate_with_and_without_cache_agree(mode):
+    from sample import generate
+    model = randomize_gates(make_model(mode, n_blocks=2, res_gate=mode in ADDITIVE))
+    prompt = torch.randint(0, 61, (2, 4), generator=torch.Generator().manual_seed(0))
+    runs = [generate(model, prompt, 10, temperature=0.9, top_k=20, n_vocab=50, use_kv_cache=cache,
+                     generator=torch.Generator().manual_seed(7)) for cache in (True, False)]
+    assert torch.equal(runs[0], runs[1]) and runs[0].shape == (2, 14)
+    assert torch.equal(runs[0][:, :4], prompt) and runs[0][:, 4:].max() < 50
+    with pytest.raises(ValueError, match='exceeds the model'):
+        generate(model, prompt, 13)
+
+
+def run_script(*args, cwd=None):
+    import subprocess
+    import sys
+    from pathlib import Path
+    here = Path(__file__).parent
+    return subprocess.run([sys.executable, str(here / args[0]), *args[1:]], capture_output=True, text=True,
+                          cwd=cwd or here, env={'OMP_NUM_THREADS': '1', 'PATH': '/usr/bin:/bin'}, timeout=120)
+
+
+def test_sample_script_from_a_checkpoint_directory(tmp_path, hf_dir):
+    import shutil
+    for f in ('config.json', 'model.safetensors'):
+        shutil.copy(hf_dir / f, tmp_path / f)
+    write_tiny_tokenizer(tmp_path)
+    (tmp_path / 'prompt.txt').write_text('the cat')
+    out = run_script('sample.py', f'--init_from={tmp_path}', '--residual=delta_block', '--n_blocks=2',
+                     f'--start=FILE:{tmp_path / "prompt.txt"}', '--max_new_tokens=8', '--num_samples=2', '--device=cpu',
+                     cwd=Path(__file__).parent)
+    assert out.returncode == 0, out.stderr
+    printed = ''.join(l for l in out.stdout.splitlines(keepends=True) if not l.startswith('Overriding'))
+    samples = printed.split('---------------\n')
+    assert len(samples) == 3 and all(s.startswith('the cat') for s in samples[:2])
+    assert 'delta_block: 2 x 8 tokens' in out.stderr and 'KV cache on' in out.stderr
