@@ -9,6 +9,7 @@ a setting that defaults to None takes anything), so a typo fails loudly instead 
 We exec into the script's globals instead of importing a config module: it keeps the script flat and
 every setting visible with a single grep, at the price of this small file being a bit unusual.
 """
+import builtins as _builtins  # train.py's `compile` setting shadows the builtin
 import sys
 from ast import literal_eval
 from difflib import get_close_matches
@@ -37,7 +38,7 @@ for _arg in sys.argv[1:]:
         _ns = {}
         try:
             with open(_arg) as _f:
-                exec(compile(_f.read(), _arg, 'exec'), _ns)
+                exec(_builtins.compile(_f.read(), _arg, 'exec'), _ns)
         except FileNotFoundError:
             raise FileNotFoundError(f"config file {_arg} does not exist") from None
         for _key, _val in _ns.items():

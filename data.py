@@ -94,7 +94,8 @@ class ShardLoader:
     one global batch of world_size * grad_accum * batch_size sequences; rank r, micro-step m takes its
     own slice of it, so ranks read different sequences and the global batch does not depend on how it
     is split across processes (a 2-process DDP run sees the same data as 1 process with 2x accumulation).
-    val: the windows in file order, always the same ones, so every evaluation is comparable.
+    val: the windows in file order, always the same ones, so every evaluation is comparable, also
+    between runs on different numbers of processes.
     """
 
     def __init__(self, data_dir, split, batch_size, block_size, rank=0, world_size=1, grad_accum=1, seed=0):
@@ -131,7 +132,7 @@ class ShardLoader:
 
     def _batch(self, indices):
         buf = np.stack([self._window(i) for i in indices]).astype(np.int64)
-        return buf[:, :-1], buf[:, 1:]
+        return np.ascontiguousarray(buf[:, :-1]), np.ascontiguousarray(buf[:, 1:])
 
     def train_batches(self):
         """The micro-batches (x, y) of this rank for the next optimizer step, as numpy int64 arrays."""
@@ -145,8 +146,9 @@ class ShardLoader:
         return batches
 
     def val_batches(self, n):
-        """The first n val batches of this rank (ranks take interleaved, disjoint batches)."""
-        n = min(n, self.n_windows // (self.B * self.world_size))
-        for k in range(n):
-            first = (k * self.world_size + self.rank) * self.B
-            yield self._batch(range(first, first + self.B))
+        """This rank's share of the first n val batches. The n batches are the same for any number of
+        processes (rank r takes batches r, r + world_size, ...); n is rounded down to a multiple of
+        world_size so that every rank runs the same number of forward passes (FSDP needs that)."""
+        n = min(n, self.n_windows // self.B)
+        n -= n % self.world_size
+        return [self._batch(range(k * self.B, (k + 1) * self.B)) for k in range(self.rank, n, self.world_size)]

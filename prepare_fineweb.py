@@ -121,6 +121,7 @@ def demo_documents():
 def local_documents(files, text_column, sample_by):
     """Documents from local parquet/jsonl/txt files through datasets' own builders (streamed)."""
     from datasets import load_dataset
+    files = [str(f) for f in files]
     for f in files:
         if not os.path.isfile(f):
             raise FileNotFoundError(f"--local file {f} does not exist")

@@ -1,0 +1,22 @@
+# A few minutes on 2 CPU cores: the offline demo corpus (python prepare_fineweb.py --demo, byte tokens)
+# and a 4-layer model with Delta Block routing (2 blocks of 2 layers). Try --residual=standard to compare.
+out_dir = 'out/tiny'
+dataset = 'demo'
+device = 'cpu'
+dtype = 'float32'
+compile = False
+n_layer, n_embd, n_head, n_kv_head, head_dim = 4, 128, 4, 2, 32
+intermediate_size = 4 * n_embd
+residual = 'delta_block'
+n_blocks = 2
+block_size = 256
+batch_size = 16
+gradient_accumulation_steps = 1
+learning_rate = 3e-3
+min_lr = 3e-4
+max_iters = 600
+lr_decay_iters = 600
+warmup_iters = 50
+eval_interval = 100
+eval_iters = 8
+log_interval = 50

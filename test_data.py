@@ -1,0 +1,193 @@
+"""Tests of prepare_fineweb.py and data.py: offline, on small corpora the tests write themselves."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import data
+import prepare_fineweb as prep
+
+EOT = 256  # the byte tokenizer's <|endoftext|>
+
+
+def make_docs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    words = ['alpha', 'beta', 'gamma', 'delta', 'über', 'naïve', '日本', 'x=1;', '\n']
+    return [' '.join(rng.choice(words, size=rng.integers(5, 60))) for _ in range(n)]
+
+
+def split_docs(tokens):
+    """Decode a shard independently of the tokenizer: split at <|endoftext|>, bytes -> utf-8."""
+    tokens = np.asarray(tokens)
+    assert tokens[0] == EOT
+    cuts = np.flatnonzero(tokens == EOT).tolist() + [len(tokens)]
+    return [bytes(tokens[a + 1:b].astype(np.uint8)).decode('utf-8') for a, b in zip(cuts, cuts[1:])]
+
+
+def read_split(out, split):
+    return np.concatenate([data.read_shard(p) for p in data.shard_paths(out, split)])
+
+
+def test_prepare_local_jsonl_roundtrip(tmp_path):
+    docs = make_docs(60)
+    docs[45] = docs[2]  # a later copy of a validation document: must not reach training
+    path = tmp_path / 'corpus.jsonl'
+    path.write_text(''.join(json.dumps({'text': d, 'id': i}) + '\n' for i, d in enumerate(docs)))
+    prep.main(['--local', str(path), '--tokenizer=byte', '--name=t', f'--data_root={tmp_path}',
+               '--val_tokens=1000', '--shard_size=777', '--num_proc=2'])
+    out = tmp_path / 't'
+    meta = json.loads((out / 'meta.json').read_text())
+
+    # the byte tokenizer is utf-8 bytes; every document gets one <|endoftext|> in front
+    sizes = [len(d.encode('utf-8')) + 1 for d in docs]
+    n_val_docs = int(np.searchsorted(np.cumsum(sizes), 1000)) + 1  # whole documents until >= 1000 tokens
+    val_docs, train_docs = docs[:n_val_docs], [d for i, d in enumerate(docs[n_val_docs:], n_val_docs) if i != 45]
+    assert meta['val_tokens'] == sum(sizes[:n_val_docs]) >= 1000
+    assert meta['train_tokens'] == sum(sizes[n_val_docs:]) - sizes[45]
+    assert meta['train_duplicates_of_val_dropped'] == 1
+    assert (meta['tokenizer'], meta['vocab_size'], meta['eot_token']) == ('byte', 257, EOT)
+
+    # llm.c header: magic, version, token count; fixed-size training shards (the last one partial)
+    paths = data.shard_paths(out, 'train')
+    assert [os.path.basename(p) for p in data.shard_paths(out, 'val')] == ['t_val_000000.bin']
+    for p in paths:
+        header = np.fromfile(p, dtype=np.int32, count=256)
+        assert (header[0], header[1]) == (20240520, 1)
+        assert os.path.getsize(p) == 1024 + 2 * header[2]
+    lengths = [len(data.read_shard(p)) for p in paths]
+    assert lengths[:-1] == [777] * (len(paths) - 1) and 0 < lengths[-1] <= 777
+    assert sum(lengths) == meta['train_tokens']
+
+    # the split is by whole documents, in order, and validation text never appears in training
+    assert split_docs(read_split(out, 'val')) == val_docs
+    assert split_docs(read_split(out, 'train')) == train_docs
+    assert not set(val_docs) & set(train_docs)
+
+
+def test_prepare_txt_max_tokens_and_demo(tmp_path):
+    docs = make_docs(40, seed=1)
+    (tmp_path / 'a.txt').write_text('\n\n'.join(docs[:20]))
+    (tmp_path / 'b.txt').write_text('\n\n'.join(docs[20:]))
+    meta = prep.prepare(prep.local_documents([tmp_path / 'a.txt', tmp_path / 'b.txt'], 'text', 'paragraph'),
+                        str(tmp_path / 'txt'), 'txt', 'byte', max_tokens=1500, val_tokens=300, shard_size=10_000, num_proc=1)
+    train = read_split(tmp_path / 'txt', 'train')
+    val = read_split(tmp_path / 'txt', 'val')
+    assert len(val) + len(train) == meta['val_tokens'] + meta['train_tokens'] == 1500  # cut exactly at the budget
+    # paragraphs are the documents; the last training document is truncated to fit the budget
+    got = split_docs(val) + split_docs(train)
+    assert got[:-1] == docs[:len(got) - 1] and docs[len(got) - 1].startswith(got[-1])
+
+    # the offline demo corpus: the standard library's .py files, a budget read in streaming fashion
+    meta = prep.prepare(prep.demo_documents(), str(tmp_path / 'demo'), 'demo', 'byte',
+                        max_tokens=30_000, val_tokens=5_000, shard_size=100_000, num_proc=1)
+    assert meta['train_tokens'] + meta['val_tokens'] == 30_000
+    text = ''.join(split_docs(read_split(tmp_path / 'demo', 'val')))
+    assert 'def ' in text or 'import ' in text
+
+
+def test_gpt2_unavailable_offline_names_the_offline_options(tmp_path, monkeypatch):
+    import tiktoken.load
+    import tiktoken.registry
+
+    def no_network(url):
+        raise ConnectionError(f"no network to fetch {url}")
+    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', str(tmp_path / 'empty_cache'))
+    monkeypatch.setattr(tiktoken.load, 'read_file', no_network)
+    monkeypatch.delitem(tiktoken.registry.ENCODINGS, 'gpt2', raising=False)
+    with pytest.raises(RuntimeError, match='GPT-2') as e:
+        prep.get_tokenizer('gpt2')
+    assert '--demo' in str(e.value) and '--local' in str(e.value) and 'no network' in str(e.value)
+    (tmp_path / 'c.jsonl').write_text('{"text": "hello"}\n')
+    with pytest.raises(SystemExit, match='--demo'):  # the command line says it too, without a traceback
+        prep.main(['--local', str(tmp_path / 'c.jsonl'), f'--data_root={tmp_path}'])
+    assert not (tmp_path / 'local').exists()
+
+
+def test_bad_inputs_give_clear_errors(tmp_path):
+    (tmp_path / 'c.jsonl').write_text('{"body": "hello"}\n')
+    with pytest.raises(ValueError, match="no 'text' column"):
+        list(prep.local_documents([tmp_path / 'c.jsonl'], 'text', 'paragraph'))
+    with pytest.raises(FileNotFoundError, match='does not exist'):
+        list(prep.local_documents([tmp_path / 'nope.jsonl'], 'text', 'paragraph'))
+    with pytest.raises(ValueError, match='all taken by the validation split'):
+        prep.prepare(iter(['tiny doc']), str(tmp_path / 'x'), 'x', 'byte', None, 1000, 100, 1)
+
+    good = tmp_path / 'good.bin'
+    data.write_shard(str(good), np.arange(100))
+    assert data.read_shard(str(good)).tolist() == list(range(100))
+    raw = good.read_bytes()
+    (tmp_path / 'short.bin').write_bytes(raw[:-10])
+    with pytest.raises(ValueError, match='truncated'):
+        data.read_shard(str(tmp_path / 'short.bin'))
+    (tmp_path / 'magic.bin').write_bytes(b'\x00' * 4 + raw[4:])
+    with pytest.raises(ValueError, match='bad magic'):
+        data.read_shard(str(tmp_path / 'magic.bin'))
+    (tmp_path / 'tiny.bin').write_bytes(raw[:100])
+    with pytest.raises(ValueError, match='header'):
+        data.read_shard(str(tmp_path / 'tiny.bin'))
+    with pytest.raises(FileNotFoundError, match='prepare_fineweb.py --demo'):
+        data.load_meta(str(tmp_path / 'no_such_dataset'))
+    with pytest.raises(FileNotFoundError, match='no train shards'):
+        data.shard_paths(str(tmp_path), 'train')
+
+
+def loader_dir(tmp_path, sizes=(1000, 333, 700)):
+    """Shards whose token at position i of shard s is s*10000 + i % 10000: a window's origin is readable."""
+    for s, n in enumerate(sizes):
+        data.write_shard(str(tmp_path / f'd_train_{s + 1:06d}.bin'), (s * 10000 + np.arange(n)) % 65536)
+    data.write_shard(str(tmp_path / 'd_val_000000.bin'), np.arange(500))
+    return str(tmp_path)
+
+
+def test_loader_windows_epochs_resume_and_ranks(tmp_path):
+    d = loader_dir(tmp_path)
+    T, B = 10, 3
+    n_windows = sum((n - 1) // T for n in (1000, 333, 700))
+    loader = data.ShardLoader(d, 'train', B, T, grad_accum=2, seed=7)
+    assert loader.n_windows == n_windows
+    steps = [loader.train_batches() for _ in range(n_windows // (2 * B))]  # one epoch
+    starts = []
+    for batches in steps:
+        for x, y in batches:
+            assert x.shape == y.shape == (B, T) and x.dtype == np.int64
+            assert (x[:, 1:] == y[:, :-1]).all()
+            assert (np.diff(np.concatenate([x, y[:, -1:]], axis=1)) == 1).all()  # contiguous, within one shard
+            assert (x[:, 0] % 10000 % T == 0).all()  # windows are aligned to the grid of T
+            starts += x[:, 0].tolist()
+    assert len(set(starts)) == len(starts) == (n_windows // (2 * B)) * 2 * B  # no window twice in an epoch
+
+    # resume: a fresh loader with the saved position serves the same batches as the original
+    again = data.ShardLoader(d, 'train', B, T, grad_accum=2, seed=7)
+    again.pos = 2 * B * 5  # what a checkpoint after 5 steps stores
+    for batches in steps[5:8]:
+        for (x, y), (x2, y2) in zip(batches, again.train_batches()):
+            assert (x == x2).all() and (y == y2).all()
+    other_seed = data.ShardLoader(d, 'train', B, T, grad_accum=2, seed=8).train_batches()
+    assert not all((a[0] == b[0]).all() for a, b in zip(other_seed, steps[0]))
+
+    # 2 ranks x 1 micro-batch read different sequences, together the same as 1 process x 2 micro-batches
+    ranks = [data.ShardLoader(d, 'train', B, T, rank=r, world_size=2, grad_accum=1, seed=7) for r in range(2)]
+    for batches in steps[:3]:
+        (x0, _), = ranks[0].train_batches()
+        (x1, _), = ranks[1].train_batches()
+        assert (x0 == batches[0][0]).all() and (x1 == batches[1][0]).all()
+
+    # validation: the same batches on 1 or 2 processes, split between the ranks, from the file's start
+    one = data.ShardLoader(d, 'val', B, T).val_batches(100)
+    assert len(one) == 499 // T // B == 16
+    assert [x[:, 0].tolist() for x, _ in one] == [list(range(k * B * T, (k + 1) * B * T, T)) for k in range(16)]
+    two = [data.ShardLoader(d, 'val', B, T, rank=r, world_size=2).val_batches(100) for r in range(2)]
+    assert len(two[0]) == len(two[1]) == 8
+    for k, (x, y) in enumerate(one):
+        x2, y2 = two[k % 2][k // 2]
+        assert (x == x2).all() and (y == y2).all()
+    assert len(data.ShardLoader(d, 'val', B, T, world_size=2).val_batches(5)) == 2  # 5 -> 4 batches, 2 per rank
+
+
+def test_loader_rejects_batches_that_do_not_fit(tmp_path):
+    d = loader_dir(tmp_path)
+    with pytest.raises(ValueError, match='sequences of 2048\\+1 tokens, but one step needs'):
+        data.ShardLoader(d, 'train', 4, 2048)
+    with pytest.raises(ValueError, match='val split'):
+        data.ShardLoader(d, 'val', 40, 10, world_size=2)

@@ -1,0 +1,243 @@
+"""Tests of train.py, configurator.py and config/: offline, on CPU, with a tiny model on a tiny corpus."""
+import glob
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import prepare_fineweb as prep
+from model import GPT, GPTConfig, RESIDUAL_MODES
+
+REPO = Path(__file__).resolve().parent
+# the quick-start config, shrunk further: each step takes milliseconds
+TINY = ['config/delta_block_tiny.py', '--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--head_dim=16',
+        '--intermediate_size=64', '--n_blocks=2', '--block_size=32', '--batch_size=4', '--eval_iters=4',
+        '--log_interval=1', '--warmup_iters=2', '--learning_rate=1e-2', '--min_lr=1e-3']
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    """A small byte-token dataset with some structure to learn (a few words, repeated)."""
+    root = tmp_path_factory.mktemp('data')
+    rng = np.random.default_rng(0)
+    words = ['the ', 'cat ', 'sat ', 'on ', 'a ', 'mat. ', 'def f(x):\n    return x\n']
+    docs = [''.join(rng.choice(words, size=rng.integers(10, 80))) for _ in range(300)]
+    prep.prepare(docs, str(root / 'tiny'), 'tiny', 'byte', None, val_tokens=4000, shard_size=20_000, num_proc=1)
+    return root
+
+
+def train(corpus, out_dir, *args, torchrun=False, wrapper=None, check=True):
+    """Run train.py as a user would (a fresh process) and return (completed process, log records)."""
+    cmd = [sys.executable]
+    if torchrun:
+        cmd += ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
+    cmd += [str(wrapper), str(out_dir)] if wrapper else ['train.py']
+    cmd += TINY + ['--dataset=tiny', f'--data_root={corpus}', f'--out_dir={out_dir}', *args]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    if check:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    log = Path(out_dir) / 'log.jsonl'
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return p, records
+
+
+def losses(records):
+    return {r['step']: r['loss'] for r in records if 'loss' in r}
+
+
+def val_losses(records):
+    return {r['step']: r['val_loss'] for r in records if 'val_loss' in r}
+
+
+@pytest.mark.parametrize('residual', list(RESIDUAL_MODES))
+def test_every_mode_lowers_the_loss(corpus, tmp_path, residual):
+    p, records = train(corpus, tmp_path, f'--residual={residual}', '--max_iters=15', '--lr_decay_iters=15',
+                       '--eval_interval=15')
+    val = val_losses(records)
+    assert set(val) == {0, 15}
+    assert val[0] > math.log(257) - 0.5        # an untrained model is close to uniform over the bytes
+    assert val[15] < val[0] - 1.0, val         # and 15 steps learn a lot of the corpus
+    train_losses = losses(records)
+    assert np.mean([train_losses[s] for s in (13, 14, 15)]) < train_losses[1] - 1.0
+    assert f'step 15: val loss {val[15]:.4f}' in p.stdout
+    assert (Path(tmp_path) / 'ckpt.pt').exists()
+
+    routing = [r['routing'] for r in records if 'routing' in r]
+    assert len(routing) == 15
+    if residual == 'standard':
+        assert routing[-1] == {} and 'routing' not in p.stdout
+        return
+    sites = {f'layers.{i}.{k}' for i in range(2) for k in ('attn', 'mlp')}
+    assert set(routing[-1]) == sites | ({'final'} if residual in ('full_attnres', 'attnres') else set())
+    assert 'routing max_w' in p.stdout
+    for site, s in routing[-1].items():
+        w = np.array(s['weights'])
+        # invariants of softmax weights, checked on the logged numbers: they sum to one, the mean of
+        # the per-token maximum is at least every source's mean weight, 0 <= entropy <= log(#sources)
+        assert w.sum() == pytest.approx(1.0, abs=1e-5)
+        assert s['max_weight'] >= w.max() - 1e-6
+        assert -1e-6 <= s['entropy'] <= math.log(len(w)) + 1e-6
+    assert routing[0]['layers.1.mlp']['max_weight'] == pytest.approx(1 / len(routing[0]['layers.1.mlp']['weights']),
+                                                                      abs=0.02)  # zero-init queries: uniform
+
+
+def test_resume_is_bitwise_and_nonfinite_loss_stops(corpus, tmp_path):
+    common = ['--lr_decay_iters=6', '--eval_interval=3']
+    _, full = train(corpus, tmp_path / 'full', '--max_iters=6', *common)
+    _, first = train(corpus, tmp_path / 'split', '--max_iters=3', *common)
+    p, resumed = train(corpus, tmp_path / 'split', '--max_iters=6', '--init_from=resume', *common)
+    assert 'resumed from' in p.stdout
+    assert sorted(losses(full)) == sorted(losses(resumed)) == [1, 2, 3, 4, 5, 6]
+    assert losses(first) == {s: l for s, l in losses(full).items() if s <= 3}
+    assert losses(resumed) == losses(full)          # exactly equal floats, not approximately
+    assert val_losses(resumed) == val_losses(full)
+    a = torch.load(tmp_path / 'full' / 'ckpt.pt', weights_only=False)
+    b = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=False)
+    assert a['iter_num'] == b['iter_num'] == 6 and a['data_pos'] == b['data_pos'] == 6 * 4
+    assert a['model'].keys() == b['model'].keys()
+    assert all(torch.equal(a['model'][k], b['model'][k]) for k in a['model'])
+    for k, state in a['optimizer']['state'].items():
+        assert all(torch.equal(v, b['optimizer']['state'][k][n]) for n, v in state.items())
+    assert b['config']['max_iters'] == 6 and b['model_config']['residual'] == 'delta_block'
+
+    # a NaN in the weights: the next step stops with a message and the last good checkpoint survives
+    b['model']['layers.0.mlp.up_proj.weight'][0, 0] = float('nan')
+    torch.save(b, tmp_path / 'split' / 'ckpt.pt')
+    before = hashlib.sha256((tmp_path / 'split' / 'ckpt.pt').read_bytes()).hexdigest()
+    p, records = train(corpus, tmp_path / 'split', '--max_iters=9', '--init_from=resume', *common, check=False)
+    assert p.returncode == 1
+    assert 'step 7: non-finite loss (nan)' in p.stderr and 'untouched' in p.stderr
+    assert 'Traceback' not in p.stderr
+    assert hashlib.sha256((tmp_path / 'split' / 'ckpt.pt').read_bytes()).hexdigest() == before
+    assert max(losses(records)) == 6
+
+
+# Runs train.py inside torchrun and keeps each rank's final weights, to compare them across ranks.
+WRAPPER = """
+import os, runpy, sys
+import torch
+sys.path.insert(0, os.getcwd())
+out_dir = sys.argv[1]
+sys.argv = ['train.py'] + sys.argv[2:]
+g = runpy.run_path('train.py', run_name='__main__')
+if not g['fsdp']:
+    torch.save(g['raw_model'].state_dict(), os.path.join(out_dir, f"rank{os.environ.get('RANK', 0)}.pt"))
+"""
+
+
+def test_ddp_two_processes_match_one(corpus, tmp_path):
+    wrapper = tmp_path / 'wrapper.py'
+    wrapper.write_text(WRAPPER)
+    args = ['--max_iters=4', '--lr_decay_iters=4', '--eval_interval=2', '--gradient_accumulation_steps=2']
+    p, ddp = train(corpus, tmp_path / 'ddp', *args, torchrun=True, wrapper=wrapper)
+    assert '2 process(es) x 1 micro-batches x 4 x 32 = 256 tokens per step (DDP)' in p.stdout
+    _, single = train(corpus, tmp_path / 'single', *args, wrapper=wrapper)
+    r0, r1 = (torch.load(tmp_path / 'ddp' / f'rank{r}.pt') for r in (0, 1))
+    s = torch.load(tmp_path / 'single' / 'rank0.pt')
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)  # the ranks hold identical weights
+    for k in s:  # and the same weights as one process with 2 micro-batches of the same global batch
+        torch.testing.assert_close(r0[k], s[k], rtol=1e-4, atol=1e-5)
+    for step, loss in losses(single).items():
+        assert losses(ddp)[step] == pytest.approx(loss, rel=1e-5)
+    for step, loss in val_losses(single).items():
+        assert val_losses(ddp)[step] == pytest.approx(loss, rel=1e-5)
+
+
+def test_fsdp_two_processes_match_one(corpus, tmp_path):
+    args = ['--max_iters=3', '--lr_decay_iters=3', '--eval_interval=3', '--gradient_accumulation_steps=2',
+            '--residual=attnres']
+    _, single = train(corpus, tmp_path / 'single', *args)
+    p, fsdp = train(corpus, tmp_path / 'fsdp', *args, '--fsdp=True', '--activation_checkpointing=True', torchrun=True)
+    assert '(FSDP2, activation checkpointing)' in p.stdout
+    a = torch.load(tmp_path / 'single' / 'ckpt.pt', weights_only=False)
+    b = torch.load(tmp_path / 'fsdp' / 'ckpt.pt', weights_only=False)
+    assert a['model'].keys() == b['model'].keys()  # full, unsharded state dict with the plain names
+    for k in a['model']:
+        torch.testing.assert_close(b['model'][k], a['model'][k], rtol=1e-4, atol=1e-5)
+    assert val_losses(fsdp)[3] == pytest.approx(val_losses(single)[3], rel=1e-5)
+
+
+def test_train_rejects_bad_settings(corpus, tmp_path):
+    p, _ = train(corpus, tmp_path, '--residual=delta', check=False)
+    assert p.returncode != 0 and "residual='delta' is not a residual mode" in p.stderr
+    p, _ = train(corpus, tmp_path, f'--data_root={tmp_path}', check=False)
+    assert p.returncode != 0 and 'prepare_fineweb.py --demo' in p.stderr
+    p, _ = train(corpus, tmp_path, '--batch_size=5000', check=False)
+    assert p.returncode != 0 and 'one step needs' in p.stderr
+
+
+def train_defaults():
+    """train.py's settings before any override: the part of the file above `config_keys`."""
+    src = (REPO / 'train.py').read_text()
+    g = {}
+    exec(src[:src.index('config_keys = ')], g)
+    return {k: v for k, v in g.items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}
+
+
+def configure(monkeypatch, *argv):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, 'argv', ['train.py', *argv])
+    g = train_defaults()
+    exec((REPO / 'configurator.py').read_text(), g)
+    return g
+
+
+def test_configurator_overrides_and_errors(monkeypatch, tmp_path):
+    g = configure(monkeypatch, '--learning_rate=1', '--out_dir=123', '--compile=False', '--vocab_size=512')
+    assert (g['learning_rate'], g['out_dir'], g['compile'], g['vocab_size']) == (1.0, '123', False, 512)
+    assert type(g['learning_rate']) is float
+    with pytest.raises(ValueError, match="unknown config key 'lerning_rate'.*did you mean 'learning_rate'"):
+        configure(monkeypatch, '--lerning_rate=1e-3')
+    with pytest.raises(ValueError, match="'max_iters' .* must be int.*got float 1.5"):
+        configure(monkeypatch, '--max_iters=1.5')
+    with pytest.raises(ValueError, match="'compile' .* must be bool"):
+        configure(monkeypatch, '--compile=1')
+    with pytest.raises(ValueError, match='--key=value'):
+        configure(monkeypatch, '--compile')
+    bad = tmp_path / 'bad.py'
+    bad.write_text("import math\nbatch_size = 8\nwarmup_iter = 10\n")
+    with pytest.raises(ValueError, match="unknown config key 'warmup_iter' in .*bad.py"):
+        configure(monkeypatch, str(bad))
+    with pytest.raises(FileNotFoundError, match='config/nope.py'):
+        configure(monkeypatch, 'config/nope.py')
+    # later arguments win over earlier ones, a config file included
+    g = configure(monkeypatch, 'config/delta_block_tiny.py', '--residual=standard')
+    assert (g['residual'], g['dataset'], g['n_layer']) == ('standard', 'demo', 4)
+
+
+# name -> (shape, residual); counts with Qwen3's 151,936-token vocabulary, as in the paper
+PAPER = {'220m': (768, 12, 12, 4, 64, 3072, 220e6), '533m': (1024, 24, 16, 8, 64, 4096, 533e6),
+         '1b': (1280, 36, 20, 4, 64, 5120, 1.04e9), '8b': (4096, 36, 32, 8, 128, 12288, 8.19e9)}
+
+
+def test_paper_configs(monkeypatch):
+    files = sorted(p.name for p in (REPO / 'config').glob('[!_]*.py'))
+    expected = [f'{r}_{s}.py' for s in ('220m', '533m', '1b') for r in RESIDUAL_MODES]
+    expected += [f'{r}_8b.py' for r in ('standard', 'attnres', 'delta_block')] + ['delta_block_tiny.py']
+    assert files == sorted(expected)
+    for name in expected[:-1]:
+        residual, scale = name[:-3].rsplit('_', 1)
+        g = configure(monkeypatch, f'config/{name}')
+        d, L, H, KV, hd, ff, count = PAPER[scale]
+        assert (g['residual'], g['n_embd'], g['n_layer'], g['n_head'], g['n_kv_head'], g['head_dim'],
+                g['intermediate_size'], g['n_blocks']) == (residual, d, L, H, KV, hd, ff, 4)
+        assert (g['batch_size'], g['gradient_accumulation_steps'], g['block_size'], g['max_iters']) == (4, 16, 2048, 10000)
+        assert (g['beta1'], g['beta2'], g['weight_decay'], g['grad_clip']) == (0.9, 0.95, 0.1, 1.0)
+        lr, min_lr, warmup = (3e-4, 3e-5, 500) if scale == '8b' else (6e-4, 6e-5, 1000)
+        assert (g['learning_rate'], g['min_lr'], g['warmup_iters'], g['lr_decay_iters']) == (lr, min_lr, warmup, 10000)
+        assert g['out_dir'] == f'out/{residual}_{scale}'
+        assert g['fsdp'] == g['activation_checkpointing'] == (scale == '8b')
+        if residual == 'standard':  # the parameter count the scale is named after (meta device: no memory)
+            with torch.device('meta'):
+                model = GPT(GPTConfig(vocab_size=151936, n_layer=L, n_head=H, n_kv_head=KV, n_embd=d, head_dim=hd,
+                                      intermediate_size=ff, tie_embeddings=g['tie_embeddings'], residual=residual))
+            assert model.get_num_params() == pytest.approx(count, rel=0.01)

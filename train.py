@@ -1,0 +1,365 @@
+"""
+Train a GPT with any of the five residual modes (model.py) on token shards (prepare_fineweb.py).
+
+On one CPU or GPU:
+    python train.py config/delta_block_tiny.py --max_iters=100
+With DDP on the 8 GPUs of one node (the paper's runs):
+    torchrun --standalone --nproc_per_node=8 train.py config/delta_block_1b.py
+Across nodes, e.g. 2 nodes of 8 (run on each, with this node's --node_rank):
+    torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST --master_port=29500 train.py config/...
+Continue a run from its last checkpoint (out_dir/ckpt.pt): the same command plus --init_from=resume.
+
+Settings are the globals below; a config file and --key=value arguments override them (configurator.py).
+"""
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from data import ShardLoader, load_meta
+from model import GPT, GPTConfig, RESIDUAL_MODES
+
+# -----------------------------------------------------------------------------
+# default config values: the paper's 220M standard run
+# I/O
+out_dir = 'out'
+eval_interval = 500         # evaluate on the held-out split and write the checkpoint every this many steps
+log_interval = 10
+eval_iters = 64             # val batches per evaluation, over all processes (fewer if the val split is smaller)
+eval_only = False           # evaluate once (e.g. with init_from='resume') and exit
+init_from = 'scratch'       # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+wandb_log = False           # W&B is optional: only imported when this is on
+wandb_project = 'delta-attnres'
+wandb_run_name = 'run'
+# data
+data_root = 'data'
+dataset = 'fineweb_edu'     # reads data_root/dataset/ (see prepare_fineweb.py)
+batch_size = 4              # sequences per micro-batch per process
+gradient_accumulation_steps = 16  # micro-batches per step summed over ALL processes: 8 GPUs x 2 here,
+                                  # so one step is 4 x 16 = 64 sequences however many GPUs run it
+block_size = 2048
+# model
+vocab_size = None           # None: the dataset's vocabulary, padded up to a multiple of 64
+n_layer = 12
+n_head = 12
+n_kv_head = 4
+n_embd = 768
+head_dim = 64
+intermediate_size = 3072
+rope_theta = 1e6
+rms_norm_eps = 1e-6
+tie_embeddings = True
+residual = 'standard'       # one of model.RESIDUAL_MODES
+n_blocks = 4
+# AdamW
+learning_rate = 6e-4
+max_iters = 10000
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0             # clip the global gradient norm at this value; 0 = no clipping
+# learning rate schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
+decay_lr = True
+warmup_iters = 1000
+lr_decay_iters = 10000
+min_lr = 6e-5
+# system
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # 'bfloat16' = autocast, fp32 master weights
+compile = torch.cuda.is_available()
+fsdp = False                # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
+activation_checkpointing = False  # recompute attention and MLP activations in the backward pass
+peak_flops = 989e12         # per-GPU peak for MFU: H100 BF16 dense
+seed = 1337
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
+exec(open('configurator.py').read())  # overrides from the command line or a config file
+config = {k: globals()[k] for k in config_keys}  # the full config, logged and saved in checkpoints
+# -----------------------------------------------------------------------------
+
+# check the settings that would otherwise fail late, after data loading or process-group setup
+if residual not in RESIDUAL_MODES:
+    raise ValueError(f"residual={residual!r} is not a residual mode; choose one of {', '.join(RESIDUAL_MODES)}")
+if init_from not in ('scratch', 'resume'):
+    raise ValueError(f"init_from={init_from!r}: expected 'scratch' or 'resume'")
+if dtype not in ('float32', 'bfloat16'):
+    raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16' (float16 would need loss scaling)")
+
+# processes: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them this is a single process
+ddp = 'RANK' in os.environ
+if ddp:
+    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    rank, local_rank, world_size = dist.get_rank(), int(os.environ['LOCAL_RANK']), dist.get_world_size()
+    if device.startswith('cuda'):
+        device = f'cuda:{local_rank}'
+        torch.cuda.set_device(device)
+else:
+    rank, local_rank, world_size = 0, 0, 1
+master = rank == 0
+if gradient_accumulation_steps % world_size:
+    raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} (summed over processes) must be "
+                     f"divisible by the number of processes, {world_size}")
+accum = gradient_accumulation_steps // world_size  # micro-batches per process per step
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+if master:
+    os.makedirs(out_dir, exist_ok=True)
+    parallel = 'FSDP2' if fsdp else 'DDP' if ddp else 'no data parallelism'
+    print(f"{world_size} process(es) x {accum} micro-batches x {batch_size} x {block_size} = "
+          f"{tokens_per_iter:,} tokens per step ({parallel}{', activation checkpointing' if activation_checkpointing else ''})")
+
+# Every process uses the same seed: identical initial weights (FSDP shards them without a broadcast);
+# the ranks' data differ through the loader, and the model has no dropout.
+torch.manual_seed(seed)
+if device_type == 'cuda':
+    torch.set_float32_matmul_precision('high')  # TF32 for the fp32 matmuls that autocast leaves
+autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=torch.bfloat16)
+
+# data
+data_dir = os.path.join(data_root, dataset)
+meta = load_meta(data_dir)
+train_loader = ShardLoader(data_dir, 'train', batch_size, block_size, rank, world_size, accum, seed)
+val_loader = ShardLoader(data_dir, 'val', batch_size, block_size, rank, world_size)
+
+# model
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+if vocab_size is None:
+    vocab_size = math.ceil(meta['vocab_size'] / 64) * 64  # padded: faster matmuls; the extra rows are never targets
+elif vocab_size < meta['vocab_size']:
+    raise ValueError(f"vocab_size={vocab_size} is smaller than the dataset's vocabulary ({meta['vocab_size']}, {meta['tokenizer']})")
+model_config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                         n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim, intermediate_size=intermediate_size,
+                         rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tie_embeddings=tie_embeddings,
+                         residual=residual, n_blocks=n_blocks)
+ckpt = None
+if init_from == 'resume':
+    if not os.path.isfile(ckpt_path):
+        raise FileNotFoundError(f"init_from='resume' but there is no checkpoint {ckpt_path}")
+    # mmap: with many processes on a node the file is read once into the page cache, not once per process
+    ckpt = torch.load(ckpt_path, map_location='cpu', mmap=True, weights_only=False)
+    if ckpt['model_config'] != asdict(model_config):
+        diff = {k: (v, asdict(model_config)[k]) for k, v in ckpt['model_config'].items() if asdict(model_config)[k] != v}
+        raise ValueError(f"the checkpoint's model differs from this config (checkpoint, now): {diff}")
+with torch.device(device):  # build directly on the GPU: no CPU copy of an 8B model per process
+    model = GPT(model_config)
+if master:
+    print(f"{residual}: {model.get_num_params() / 1e6:.2f}M parameters "
+          f"({model.get_num_params(non_embedding=True) / 1e6:.2f}M without the embedding), vocab {vocab_size}")
+
+# Model.forward calls each layer's self_attn and mlp, not the Layer itself: those two modules are the
+# units we checkpoint and shard. What is left (embedding, norms, routing) is small and lives in the root.
+if activation_checkpointing:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for layer in model.layers:
+        layer.self_attn, layer.mlp = checkpoint_wrapper(layer.self_attn), checkpoint_wrapper(layer.mlp)
+if fsdp:
+    if not ddp:
+        raise ValueError("fsdp=True needs several processes: launch with torchrun")
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.layers:
+        fully_shard(layer.self_attn)
+        fully_shard(layer.mlp)
+    fully_shard(model)
+raw_model = model  # the module that owns the parameters (FSDP shards them in place)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+
+iter_num = 0
+if ckpt is not None:
+    # full (unsharded) state dicts: the same file works for DDP, FSDP and a single process
+    set_state_dict(raw_model, optimizer, model_state_dict=ckpt['model'], optim_state_dict=ckpt['optimizer'],
+                   options=StateDictOptions(full_state_dict=True))
+    iter_num, train_loader.pos = ckpt['iter_num'], ckpt['data_pos']
+    torch.set_rng_state(ckpt['rng']['torch'])
+    if device_type == 'cuda' and ckpt['rng']['cuda'] is not None:
+        torch.cuda.set_rng_state(ckpt['rng']['cuda'])
+    if master:
+        print(f"resumed from {ckpt_path} at step {iter_num}")
+    del ckpt
+start_iter = iter_num
+
+if compile:
+    model = torch.compile(model)
+if ddp and not fsdp:
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+
+# logging: a compact line on stdout, every number in out_dir/log.jsonl
+log_path = os.path.join(out_dir, 'log.jsonl')
+if master and init_from == 'resume' and os.path.isfile(log_path):
+    # drop what the interrupted run logged after its checkpoint: the resumed run logs those steps again
+    with open(log_path) as f:
+        kept = [line for line in f if json.loads(line)['step'] <= iter_num]
+    with open(log_path + '.tmp', 'w') as f:
+        f.writelines(kept)
+    os.replace(log_path + '.tmp', log_path)
+if master and init_from == 'scratch' and os.path.exists(log_path):
+    os.remove(log_path)
+if wandb_log and master:
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+
+
+def log(record):
+    if master:
+        with open(log_path, 'a') as f:
+            f.write(json.dumps(record) + '\n')
+        if wandb_log:
+            wandb.log({k: v for k, v in record.items() if k != 'routing'}, step=record['step'])
+
+
+def get_lr(it):
+    """Linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, then constant."""
+    if not decay_lr:
+        return learning_rate
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    coeff = 0.5 * (1.0 + math.cos(math.pi * (it - warmup_iters) / (lr_decay_iters - warmup_iters)))
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+def to_device(x, y):
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    if device_type == 'cuda':  # pinned memory + non_blocking: the copy overlaps with the GPU's work
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x, y
+
+
+@torch.no_grad()
+def evaluate():
+    """Mean loss over the same val batches every time; each process takes different ones."""
+    model.eval()
+    total, n = torch.zeros((), device=device), 0
+    for x, y in val_loader.val_batches(eval_iters):
+        x, y = to_device(x, y)
+        with autocast:
+            _, loss = model(x, y)
+        total += loss.float()
+        n += 1
+    if ddp:
+        dist.all_reduce(total)
+    model.train()
+    n *= world_size
+    return total.item() / n, n * batch_size * block_size
+
+
+def routing_summary(stats):
+    """One line for many sublayers: mean [min, max] over sites of the max weight and the entropy.
+    Sites with a single source (the first sublayer routes over the embedding alone) are left out."""
+    stats = [s for s in stats.values() if len(s['weights']) > 1]
+    if not stats:
+        return ''
+    mw = [s['max_weight'] for s in stats]
+    ent = [s['entropy'] for s in stats]
+    return (f" | routing max_w {np.mean(mw):.2f} [{min(mw):.2f}, {max(mw):.2f}]"
+            f" entropy {np.mean(ent):.2f} [{min(ent):.2f}, {max(ent):.2f}]")
+
+
+def save_checkpoint():
+    # every process takes part in gathering the full state (FSDP), only rank 0 receives and writes it
+    msd, osd = get_state_dict(raw_model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if master:
+        ckpt = dict(model=msd, optimizer=osd, model_config=asdict(model_config), config=config, meta=meta,
+                    iter_num=iter_num, data_pos=train_loader.pos,
+                    rng=dict(torch=torch.get_rng_state(),
+                             cuda=torch.cuda.get_rng_state() if device_type == 'cuda' else None))
+        torch.save(ckpt, ckpt_path + '.tmp')
+        os.replace(ckpt_path + '.tmp', ckpt_path)  # atomic: a crash mid-write keeps the previous checkpoint
+    return iter_num
+
+
+# -----------------------------------------------------------------------------
+# training loop. iter_num counts optimizer steps taken; "step k" is the k-th one.
+last_ckpt = start_iter if init_from == 'resume' else None
+t0, steps_timed = time.time(), 0
+if device_type == 'cuda':
+    torch.cuda.reset_peak_memory_stats()
+while True:
+    if (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) and \
+            not (iter_num == start_iter and init_from == 'resume' and not eval_only):
+        val_loss, val_tokens = evaluate()
+        if master:
+            print(f"step {iter_num}: val loss {val_loss:.4f} | val ppl {math.exp(val_loss):.2f} "
+                  f"({val_tokens:,} held-out tokens)")
+        log(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss), val_tokens=val_tokens))
+        if iter_num > start_iter:
+            last_ckpt = save_checkpoint()
+        t0, steps_timed = time.time(), 0  # don't count evaluation time as training time
+    if iter_num >= max_iters or eval_only:
+        break
+
+    lr = get_lr(iter_num)
+    for group in optimizer.param_groups:
+        group['lr'] = lr
+    want_stats = (iter_num + 1) % log_interval == 0
+    loss_sum = torch.zeros((), device=device)
+    for micro, (x, y) in enumerate(train_loader.train_batches()):
+        x, y = to_device(x, y)
+        last = micro == accum - 1
+        # all-reduce (DDP) / reduce-scatter (FSDP) the gradients only once, after the last micro-batch
+        if ddp and not fsdp:
+            model.require_backward_grad_sync = last
+        elif fsdp:
+            raw_model.set_requires_gradient_sync(last)
+        with autocast:
+            if want_stats and last:
+                _, loss, stats = model(x, y, stats=True)
+            else:
+                _, loss = model(x, y)
+        (loss / accum).backward()
+        loss_sum += loss.detach() / accum
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
+    if hasattr(grad_norm, 'full_tensor'):  # FSDP: a DTensor
+        grad_norm = grad_norm.full_tensor()
+    # stop before a non-finite update can reach the weights (the gradient norm is the same on all ranks)
+    bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).float()
+    if ddp:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        msg = (f"step {iter_num + 1}: non-finite loss ({loss_sum.item()}) or gradient norm ({grad_norm.item()}); "
+               f"stopped without updating the weights. "
+               + (f"The last good checkpoint, {ckpt_path} (step {last_ckpt}), is untouched: resume from it with "
+                  f"--init_from=resume and e.g. a lower learning_rate." if last_ckpt is not None else
+                  "No checkpoint was written yet."))
+        if ddp:
+            dist.destroy_process_group()
+        raise SystemExit(msg if master else 1)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    iter_num += 1
+    steps_timed += 1
+
+    if iter_num % log_interval == 0:
+        if ddp:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # the loss of the whole global batch
+        lossf = loss_sum.item()  # waits for the GPU, so the time below is real
+        dt = (time.time() - t0) / steps_timed
+        t0, steps_timed = time.time(), 0
+        if master:
+            tok_s = tokens_per_iter / dt
+            mfu = raw_model.estimate_mfu(batch_size * accum, dt, peak_flops) if device_type == 'cuda' else None
+            if device_type == 'cuda':
+                mem = torch.cuda.max_memory_allocated() / 2**30
+            else:  # peak resident set size of this process (kilobytes on Linux)
+                mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            routing = {site: {'max_weight': s['max_weight'].item(), 'entropy': s['entropy'].item(),
+                              'weights': s['weights'].tolist()} for site, s in stats.items()}
+            print(f"step {iter_num}: loss {lossf:.4f} | lr {lr:.2e} | grad norm {grad_norm.item():.3f} | "
+                  f"{tok_s:,.0f} tok/s | mfu {f'{100 * mfu:.1f}%' if mfu is not None else '-'} | "
+                  f"mem {mem:.2f} GiB{routing_summary(routing)}")
+            log(dict(step=iter_num, loss=lossf, lr=lr, grad_norm=grad_norm.item(), tok_per_s=tok_s, mfu=mfu,
+                     mem_gib=mem, routing=routing))
+
+if ddp:
+    dist.destroy_process_group()
