@@ -433,14 +433,20 @@ class GPT(nn.Module):
     # -------------------------------------------------------------------------
     # Training helpers, as in nanoGPT
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW. Weight decay only on matmul weights: not on norms, biases or the routing queries
-        (a decayed query is pulled back to uniform routing)."""
-        decay, no_decay = [], []
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, routing_lr_scale=1.0):
+        """AdamW over the parameters that require grad. Weight decay only on matmul weights: not on norms,
+        biases or the routing parameters (a decayed query is pulled back to uniform routing). Every group
+        carries an 'lr_scale' that train.py multiplies the scheduled learning rate by: the routing
+        parameters can learn faster than the rest (the paper fine-tunes Qwen3 with 5e-3 for the routing
+        and 5e-5 for the pretrained weights)."""
+        decay, no_decay, routing = [], [], []
         for name, p in self.named_parameters():
             if p.requires_grad:
-                (no_decay if p.dim() < 2 or '_res_' in name else decay).append(p)
-        groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
+                (routing if '_res_' in name else decay if p.dim() >= 2 else no_decay).append(p)
+        groups = [{'params': decay, 'weight_decay': weight_decay, 'lr_scale': 1.0},
+                  {'params': no_decay, 'weight_decay': 0.0, 'lr_scale': 1.0},
+                  {'params': routing, 'weight_decay': 0.0, 'lr_scale': routing_lr_scale}]
+        groups = [dict(g, lr=learning_rate * g['lr_scale']) for g in groups if g['params']]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
 
     def routing_sources(self):
