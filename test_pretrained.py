@@ -357,3 +357,84 @@ def test_plot_routing(trained_runs, capsys):
     with pytest.raises(ValueError, match='no routing records'):
         (root / 'empty.jsonl').write_text(json.dumps(dict(step=1, loss=1.0)) + '\n')
         plot_routing.load_stats(root / 'empty.jsonl')
+
+
+# -----------------------------------------------------------------------------
+# train.py: fine-tuning a Qwen3 directory; export.py; the fine-tuning configs
+
+def finetune(hf_dir, data_root, out_dir, *args, check=True):
+    import subprocess
+    import sys
+    here = Path(__file__).parent
+    cmd = [sys.executable, 'train.py', f'--init_from={hf_dir}', '--dataset=toy', f'--data_root={data_root}',
+           f'--out_dir={out_dir}', '--vocab_size=61', '--n_layer=4', '--n_embd=32', '--n_head=4', '--n_kv_head=2',
+           '--head_dim=8', '--intermediate_size=48', '--rope_theta=10000.0', '--block_size=16', '--batch_size=4',
+           '--gradient_accumulation_steps=1', '--device=cpu', '--dtype=float32', '--compile=False', '--max_iters=3',
+           '--eval_interval=3', '--eval_iters=2', '--log_interval=1', '--warmup_iters=0', '--lr_decay_iters=3',
+           '--learning_rate=1e-3', '--min_lr=1e-4', *args]
+    p = subprocess.run(cmd, cwd=here, capture_output=True, text=True, timeout=300,
+                       env={'OMP_NUM_THREADS': '1', 'PATH': '/usr/bin:/bin'})
+    if check:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    log = Path(out_dir) / 'log.jsonl'
+    return p, [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.fixture(scope='module')
+def toy_data(tmp_path_factory):
+    """data_root/toy: the toy corpus tokenized with the tiny tokenizer.json."""
+    import random
+    import prepare_fineweb
+    root = tmp_path_factory.mktemp('toydata')
+    file = write_tiny_tokenizer(root)
+    rng = random.Random(0)
+    docs = [' '.join(rng.choice(CORPUS) for _ in range(rng.randint(2, 6))) for _ in range(200)]
+    prepare_fineweb.prepare(iter(docs), str(root / 'toy'), 'toy', str(file), None, 400, 100_000, 1)
+    return root
+
+
+def test_finetune_from_qwen3(tmp_path, hf_dir, toy_data):
+    from safetensors.torch import load_file
+    import export
+    _, base = finetune(hf_dir, toy_data, tmp_path / 'standard', '--residual=standard')
+    p, delta = finetune(hf_dir, toy_data, tmp_path / 'delta', '--residual=delta_block', '--n_blocks=2', '--res_gate=True',
+                        '--routing_learning_rate=1e-1', '--freeze_base=True')
+    assert 'zero gates: exactly the pretrained model at step 0' in p.stdout
+    val = lambda records: {r['step']: r['val_loss'] for r in records if 'val_loss' in r}
+    assert abs(val(delta)[0] - val(base)[0]) <= 1e-6         # the exact identity, through train.py
+    ckpt = torch.load(tmp_path / 'delta' / 'ckpt.pt', weights_only=False)
+    # freeze_base: the pretrained weights are untouched; the routing learned with 100x the learning rate
+    pretrained = {k.removeprefix('model.'): v for k, v in load_file(hf_dir / 'model.safetensors').items()}
+    for k, v in ckpt['model'].items():
+        if '_res_' in k or k == 'lm_head.weight':    # the head is the (tied) embedding
+            continue
+        assert torch.equal(v, pretrained[k]), k
+    assert all(ckpt['model'][f'layers.{i}.{s}_res_gate'].abs() > 0 for i in range(4) for s in ('attn', 'mlp'))
+    (group,) = ckpt['optimizer']['param_groups']                 # only the routing parameters are optimized
+    last_lr = [r['lr'] for r in delta if 'lr' in r][-1]           # the base rate of the last step
+    assert group['lr_scale'] == pytest.approx(100.0) and group['lr'] == pytest.approx(100 * last_lr)
+    # export -> load back: the same model
+    model = export.export(tmp_path / 'delta' / 'ckpt.pt', tmp_path / 'exported')
+    back = GPT.from_qwen3(tmp_path / 'exported')
+    assert (tmp_path / 'exported' / 'tokenizer.json').read_text() == (toy_data / 'tokenizer.json').read_text()
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], back(idx)[0])
+    # a config whose shapes differ from the checkpoint fails with the fields to fix
+    p, _ = finetune(hf_dir, toy_data, tmp_path / 'bad', '--residual=delta_block', '--intermediate_size=64', check=False)
+    assert p.returncode != 0 and "'intermediate_size': (48, 64)" in p.stderr
+
+
+def test_finetune_configs():
+    from model import GPTConfig
+    for mode in MODES:
+        g = {}
+        exec(open(Path(__file__).parent / f'config/finetune_qwen3_0.6b_{mode}.py').read(), g)
+        assert (g['residual'], g['init_from'], g['max_iters'], g['warmup_iters']) == (mode, 'Qwen3-0.6B', 20000, 500)
+        assert (g['batch_size'], g['gradient_accumulation_steps']) == (2, 16)    # 4 GPUs x batch 2 x accumulation 4
+        assert (g['learning_rate'], g['routing_learning_rate']) == (5e-5, 5e-3)
+        assert g.get('res_gate', False) == (mode in ADDITIVE)
+        with torch.device('meta'):    # Qwen3-0.6B: 0.6B parameters (0.44B without the embedding)
+            model = GPT(GPTConfig(**{k: g[k] for k in ('vocab_size', 'n_layer', 'n_embd', 'n_head', 'n_kv_head', 'head_dim',
+                                                         'intermediate_size', 'tie_embeddings', 'residual', 'n_blocks')}))
+        assert model.get_num_params(non_embedding=True) == pytest.approx(0.44e9, rel=0.01)
