@@ -6,7 +6,8 @@ A dataset is a folder data/<name>/ holding
   <name>_val_000000.bin     the held-out validation split (whole documents, never in training)
   <name>_train_000001.bin   training shards, ...
 Each .bin file is llm.c's format: a 256 x int32 header (magic, version, token count, then zeros)
-followed by the tokens as uint16. The header lets us catch the two usual accidents loudly: a file that
+followed by the tokens: uint16 in version 1 (llm.c's), uint32 in version 2 (ours, for vocabularies
+over 65,536 such as Qwen3's 151,936). The header lets us catch the two usual accidents loudly: a file that
 is not a shard at all (bad magic) and a file that was cut short by a crash or a full disk (truncated).
 """
 
@@ -17,24 +18,29 @@ import os
 import numpy as np
 
 MAGIC = 20240520  # same magic and version as llm.c, so its tools read our shards and vice versa
-VERSION = 1       # version 1: uint16 tokens (vocabularies up to 65,536, e.g. GPT-2's 50,257)
+VERSIONS = {1: np.uint16, 2: np.uint32}  # format version -> token dtype
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-TOKEN_DTYPE = np.uint16
 
 
-def write_shard(path, tokens):
+def token_dtype(vocab_size):
+    """The narrowest token dtype of the format for this vocabulary."""
+    return np.uint16 if vocab_size <= 2 ** 16 else np.uint32
+
+
+def write_shard(path, tokens, dtype=np.uint16):
     """Write one shard atomically: a reader never sees a half-written file under the final name."""
     tokens = np.asarray(tokens)
     assert tokens.ndim == 1
-    if tokens.size and int(tokens.max()) >= 2 ** 16:
-        raise ValueError(f"token id {int(tokens.max())} does not fit in uint16 (shard format version {VERSION})")
+    version = {np.dtype(d): v for v, d in VERSIONS.items()}[np.dtype(dtype)]
+    if tokens.size and int(tokens.max()) > np.iinfo(dtype).max:
+        raise ValueError(f"token id {int(tokens.max())} does not fit in {np.dtype(dtype).name} (shard format version {version})")
     header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[0], header[1], header[2] = MAGIC, VERSION, len(tokens)
+    header[0], header[1], header[2] = MAGIC, version, len(tokens)
     tmp = path + '.tmp'
     with open(tmp, 'wb') as f:
         f.write(header.tobytes())
-        f.write(tokens.astype(TOKEN_DTYPE).tobytes())
+        f.write(tokens.astype(dtype).tobytes())
     os.replace(tmp, path)
 
 
@@ -49,14 +55,15 @@ def read_shard(path):
     if header[0] != MAGIC:
         raise ValueError(f"data shard {path} is corrupt: bad magic {header[0]} (expected {MAGIC}); "
                          f"is it a shard written by prepare_fineweb.py?")
-    if header[1] != VERSION:
-        raise ValueError(f"data shard {path} has format version {header[1]}; this code reads version {VERSION}")
+    if header[1] not in VERSIONS:
+        raise ValueError(f"data shard {path} has format version {header[1]}; this code reads versions {sorted(VERSIONS)}")
+    dtype = VERSIONS[int(header[1])]
     ntok = int(header[2])
-    expected = HEADER_BYTES + ntok * np.dtype(TOKEN_DTYPE).itemsize
+    expected = HEADER_BYTES + ntok * np.dtype(dtype).itemsize
     if size != expected:
         raise ValueError(f"data shard {path} is corrupt: the header says {ntok:,} tokens ({expected:,} bytes) "
                          f"but the file has {size:,} bytes (truncated or overwritten?); re-run prepare_fineweb.py")
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode='r', offset=HEADER_BYTES, shape=(ntok,))
+    return np.memmap(path, dtype=dtype, mode='r', offset=HEADER_BYTES, shape=(ntok,))
 
 
 def load_meta(data_dir):

@@ -45,6 +45,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     residual: str = 'standard'      # one of RESIDUAL_MODES
     n_blocks: int = 4               # blocks for 'attnres' / 'delta_block'
+    res_gate: bool = False          # additive modes: x = h + gate * routed, one learnable scalar per site
 
     def __post_init__(self):
         if self.residual not in RESIDUAL_MODES:
@@ -54,6 +55,8 @@ class GPTConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not 1 <= self.n_blocks <= self.n_layer:
             raise ValueError(f"n_blocks must be in 1..n_layer={self.n_layer}, got {self.n_blocks}")
+        if self.res_gate and RESIDUAL_MODES[self.residual][1] != 'add':
+            raise ValueError(f"res_gate applies to the additive modes (delta_attnres, delta_block), not {self.residual!r}")
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head}) for grouped-query attention")
 
@@ -119,14 +122,41 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, kv=None):
+        """kv: this layer's entry of a KVCache (a dict), or None. With a cache, x holds only the new
+        tokens; their keys/values are appended to the cached ones and every new token attends to all
+        cached tokens and to the new tokens up to itself."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)   # cos/sin are already at the right positions
+        past = 0
+        if kv is not None:
+            if 'k' in kv:
+                past = kv['k'].size(2)
+                k, v = torch.cat((kv['k'], k), dim=2), torch.cat((kv['v'], v), dim=2)
+            kv['k'], kv['v'] = k, v
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:   # is_causal aligns the mask top-left; new token t (absolute past+t) sees keys 0..past+t
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class KVCache:
+    """Keys and values of every attention layer for the tokens seen so far, and how many tokens that
+    is (`pos`, the RoPE offset of the next token). Routing mixes over depth, separately for every token,
+    so it needs no cache: a new token's sources are built from the new token alone.
+        cache = KVCache(model.config.n_layer)
+        logits, _ = model(prompt, kv_cache=cache)        # prefill
+        logits, _ = model(next_token, kv_cache=cache)    # one token at a time
+    """
+
+    def __init__(self, n_layer):
+        self.layers = [{} for _ in range(n_layer)]
+        self.pos = 0
 
 
 class MLP(nn.Module):
@@ -159,11 +189,15 @@ class Layer(nn.Module):
             self.attn_res_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
             self.mlp_res_proj = nn.Linear(d, 1, bias=False)
             self.mlp_res_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+        if cfg.res_gate:
+            # 1 = the plain additive mode; GPT.from_qwen3(..., identity_init=True) sets 0 (see there)
+            self.attn_res_gate = nn.Parameter(torch.ones(()))
+            self.mlp_res_gate = nn.Parameter(torch.ones(()))
 
-    def sublayers(self, cos, sin):
+    def sublayers(self, cos, sin, kv=None):
         """(name, f, query, key norm) for the attention and the MLP sublayer, in order."""
         return (
-            ('attn', lambda x: self.self_attn(self.input_layernorm(x), cos, sin),
+            ('attn', lambda x: self.self_attn(self.input_layernorm(x), cos, sin, kv),
              getattr(self, 'attn_res_proj', None), getattr(self, 'attn_res_norm', None)),
             ('mlp', lambda x: self.mlp(self.post_attention_layernorm(x)),
              getattr(self, 'mlp_res_proj', None), getattr(self, 'mlp_res_norm', None)),
@@ -207,16 +241,19 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed_tokens.weight.numel() if non_embedding else n
 
-    def forward(self, idx, targets=None, stats=False):
+    def forward(self, idx, targets=None, stats=False, kv_cache=None):
         """idx (B, T) token ids -> (logits (B, T, V), mean cross-entropy or None).
-        With stats=True also returns {site: routing_stats} (computed without gradients)."""
+        With stats=True also returns {site: routing_stats} (computed without gradients).
+        With a KVCache, idx holds only the tokens after the cached ones (incremental decoding)."""
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = 0 if kv_cache is None else kv_cache.pos
+        if pos + T > self.config.block_size:
+            raise ValueError(f"sequence length {pos + T}{f' ({pos} cached + {T} new)' if pos else ''} "
+                             f"exceeds block_size {self.config.block_size}")
         if not torch.compiler.is_compiling() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range "
                              f"[{idx.min().item()}, {idx.max().item()}]")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
         lpb = self.config.layers_per_block
         site_stats = {}
 
@@ -232,7 +269,7 @@ class GPT(nn.Module):
         sources = [E]           # completed sources: [E, v_0, v_1, ...] or [E, b_1, b_2, ...]
         partial = None          # block modes: sum of the current block's sublayer outputs so far
         for i, layer in enumerate(self.layers):
-            for kind, f, proj, norm in layer.sublayers(cos, sin):
+            for kind, f, proj, norm in layer.sublayers(cos, sin, None if kv_cache is None else kv_cache.layers[i]):
                 if self.mixing is None:
                     x = h
                 else:
@@ -240,7 +277,8 @@ class GPT(nn.Module):
                         sources.append(partial)                        # block boundary: close the block
                         partial = None
                     routed = mix(f'layers.{i}.{kind}', sources + ([] if partial is None else [partial]), proj, norm)
-                    x = routed if self.mixing == 'replace' else h + routed
+                    gate = getattr(layer, f'{kind}_res_gate', None)           # only with res_gate=True
+                    x = routed if self.mixing == 'replace' else h + (routed if gate is None else gate * routed)
                 v = f(x)
                 if self.mixing != 'replace':
                     h = h + v                                          # the residual stream is kept
@@ -251,6 +289,8 @@ class GPT(nn.Module):
         if self.mixing == 'replace':
             h = mix('final', sources + ([] if partial is None else [partial]), self.final_res_proj, self.final_res_norm)
 
+        if kv_cache is not None:
+            kv_cache.pos += T
         logits = self.lm_head(self.norm(h))
         loss = None
         if targets is not None:
@@ -260,10 +300,26 @@ class GPT(nn.Module):
     # -------------------------------------------------------------------------
     # Loading Hugging Face Qwen3 checkpoints (config.json + safetensors), no `transformers` needed.
 
+    # Exact identity at conversion (identity_init=True, additive modes). With zero queries the routed
+    # mix is the mean of the sources, and in the additive modes the sources sum to h, so the sublayer
+    # would read x = h + h/N: pre-norm hides the scale only up to RMSNorm's eps and rounding. Instead
+    # a learnable scalar gate per site, x = h + gate * routed, starts at 0: every sublayer reads exactly
+    # the pretrained h, so the logits are the pretrained model's. It is no dead end: dL/dgate =
+    # <dL/dx, routed> is non-zero at step 0, so the first optimizer step opens the gates, and from then
+    # on the queries and key norms get gradients too. The replacement modes (attnres, full_attnres)
+    # have no such point: x = sum_i alpha_i s_i is never h (the sublayer sees a convex mix of sources
+    # whose sum is h, e.g. h/N at uniform routing, and the final norm reads a mix too), so they start
+    # from the from-scratch routing init and pay a loss jump at conversion.
+    ROUTING_CONFIG_KEY = 'attention_residuals'   # our extra config.json entry: residual, n_blocks, res_gate
+
     @classmethod
-    def from_qwen3(cls, path, **overrides):
+    def from_qwen3(cls, path, identity_init=False, **overrides):
         """Build a model of any residual mode from a LOCAL Qwen3 checkpoint directory. Its tensors load
-        by name; the routing parameters keep their from-scratch init (zero queries: uniform routing)."""
+        by name. A plain Qwen3 checkpoint has no routing parameters: they keep their from-scratch init
+        (zero queries: uniform routing), or with identity_init=True (additive modes) get zero gates, so
+        the converted model computes exactly what the checkpoint does. A directory written by
+        `save_qwen3` also holds the routing parameters and its mode (config.json's
+        'attention_residuals'), and loads back as it was saved."""
         from safetensors import safe_open
         path = Path(path)
         if not (path / 'config.json').is_file():
@@ -290,6 +346,24 @@ class GPT(nn.Module):
             rope_theta=float(rope_theta),
             rms_norm_eps=hf.get('rms_norm_eps', 1e-6), tie_embeddings=hf.get('tie_word_embeddings', False),
         )
+        stored = hf.get(cls.ROUTING_CONFIG_KEY) or {}
+        args.update(stored)
+        mode = overrides.get('residual', args.get('residual', 'standard'))
+        if identity_init:
+            if stored.get('residual', 'standard') != 'standard':
+                raise ValueError(f"{path} already holds a trained {stored['residual']!r} model with its routing "
+                                 f"parameters; identity_init only applies when converting a plain Qwen3 checkpoint")
+            if RESIDUAL_MODES.get(mode, (None, None))[1] == 'replace':
+                raise ValueError(f"identity_init cannot be exact for the replacement mode {mode!r}: its sublayers read "
+                                 f"a convex mix of sources, never the residual stream itself; convert it without "
+                                 f"identity_init (uniform routing) and expect a loss jump")
+            if RESIDUAL_MODES.get(mode, (None, None))[1] == 'add':
+                overrides = {**overrides, 'res_gate': True}
+        conflicts = {k: (v, overrides[k]) for k, v in stored.items()
+                     if k in overrides and overrides[k] != v and stored.get('residual', 'standard') != 'standard'}
+        if conflicts:
+            raise ValueError(f"{path} holds a trained {stored['residual']!r} model whose routing parameters do not fit "
+                             f"other settings: {', '.join(f'{k}={a!r} stored, {b!r} requested' for k, (a, b) in conflicts.items())}")
         model = cls(GPTConfig(**{**args, **overrides}))
 
         if (path / 'model.safetensors.index.json').is_file():
@@ -306,7 +380,10 @@ class GPT(nn.Module):
         if model.config.tie_embeddings:
             tensors.pop('lm_head.weight', None)      # tied: the embedding is the head
         own = model.state_dict()
-        expected = {k for k in own if '_res_' not in k and not (model.config.tie_embeddings and k == 'lm_head.weight')}
+        # routing parameters are expected only from a directory that save_qwen3 wrote for a routed mode
+        routed_dir = stored.get('residual', 'standard') != 'standard'
+        expected = {k for k in own if (routed_dir or '_res_' not in k)
+                    and not (model.config.tie_embeddings and k == 'lm_head.weight')}
         missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
         if missing or unexpected:
             raise ValueError(f"{path} does not match a Qwen3 model of this shape: missing tensors {missing[:8]}"
@@ -317,19 +394,59 @@ class GPT(nn.Module):
         with torch.no_grad():
             for k, t in tensors.items():
                 own[k].copy_(t)
+            if identity_init:
+                for k in own:
+                    if k.endswith('_res_gate'):
+                        own[k].zero_()
         return model
+
+    def save_qwen3(self, path, dtype=None):
+        """Write a Hugging Face-style directory (config.json + model.safetensors) that `from_qwen3`
+        loads back exactly. Tensors are named as in HF Qwen3 ('model.layers.0.self_attn.q_proj.weight',
+        ...); the routing parameters follow the same scheme ('model.layers.0.attn_res_proj.weight') and
+        config.json records the mode under 'attention_residuals'. A 'standard' model is a plain Qwen3
+        checkpoint that transformers' Qwen3ForCausalLM loads; transformers does not know the routed
+        modes (it would drop their routing tensors), so only from_qwen3 reads those."""
+        from safetensors.torch import save_file
+        cfg, path = self.config, Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for k, t in self.state_dict().items():
+            if k == 'lm_head.weight' and cfg.tie_embeddings:
+                continue            # tied: stored once, as the embedding (as HF does)
+            t = t.detach().to('cpu', dtype if dtype is not None and t.is_floating_point() else t.dtype)
+            tensors[k if k == 'lm_head.weight' else 'model.' + k] = t.contiguous()
+        save_file(tensors, path / 'model.safetensors', metadata={'format': 'pt'})
+        hf = {
+            'model_type': 'qwen3', 'vocab_size': cfg.vocab_size, 'max_position_embeddings': cfg.block_size,
+            'num_hidden_layers': cfg.n_layer, 'num_attention_heads': cfg.n_head, 'num_key_value_heads': cfg.n_kv_head,
+            'hidden_size': cfg.n_embd, 'head_dim': cfg.head_dim, 'intermediate_size': cfg.intermediate_size,
+            'rope_theta': cfg.rope_theta, 'rms_norm_eps': cfg.rms_norm_eps, 'tie_word_embeddings': cfg.tie_embeddings,
+            'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False,
+            'torch_dtype': str(next(iter(tensors.values())).dtype).removeprefix('torch.'),
+        }
+        if cfg.residual == 'standard':
+            hf['architectures'] = ['Qwen3ForCausalLM']
+        hf[self.ROUTING_CONFIG_KEY] = {'residual': cfg.residual, 'n_blocks': cfg.n_blocks, 'res_gate': cfg.res_gate}
+        (path / 'config.json').write_text(json.dumps(hf, indent=2) + '\n')
 
     # -------------------------------------------------------------------------
     # Training helpers, as in nanoGPT
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW. Weight decay only on matmul weights: not on norms, biases or the routing queries
-        (a decayed query is pulled back to uniform routing)."""
-        decay, no_decay = [], []
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, routing_lr_scale=1.0):
+        """AdamW over the parameters that require grad. Weight decay only on matmul weights: not on norms,
+        biases or the routing parameters (a decayed query is pulled back to uniform routing). Every group
+        carries an 'lr_scale' that train.py multiplies the scheduled learning rate by: the routing
+        parameters can learn faster than the rest (the paper fine-tunes Qwen3 with 5e-3 for the routing
+        and 5e-5 for the pretrained weights)."""
+        decay, no_decay, routing = [], [], []
         for name, p in self.named_parameters():
             if p.requires_grad:
-                (no_decay if p.dim() < 2 or '_res_' in name else decay).append(p)
-        groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
+                (routing if '_res_' in name else decay if p.dim() >= 2 else no_decay).append(p)
+        groups = [{'params': decay, 'weight_decay': weight_decay, 'lr_scale': 1.0},
+                  {'params': no_decay, 'weight_decay': 0.0, 'lr_scale': 1.0},
+                  {'params': routing, 'weight_decay': 0.0, 'lr_scale': routing_lr_scale}]
+        groups = [dict(g, lr=learning_rate * g['lr_scale']) for g in groups if g['params']]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
 
     def routing_sources(self):

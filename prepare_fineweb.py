@@ -4,6 +4,7 @@ Tokenize a text corpus into the token shards train.py reads (format: data.py).
     python prepare_fineweb.py                          # FineWeb-Edu sample-10BT, GPT-2 BPE, 1.4B tokens
     python prepare_fineweb.py --demo                   # offline: the Python standard library, byte tokens
     python prepare_fineweb.py --local a.jsonl b.jsonl --tokenizer=byte --name=mine   # offline: your files
+    python prepare_fineweb.py --tokenizer=Qwen/Qwen3-0.6B --name=fineweb_edu_qwen3  # a checkpoint's own tokenizer
 
 FineWeb-Edu is read in streaming mode, so only the documents needed for --max_tokens are downloaded.
 Every document is preceded by <|endoftext|>. The first documents (at least --val_tokens tokens of
@@ -30,14 +31,56 @@ import numpy as np
 import tiktoken
 from tqdm import tqdm
 
-from data import write_shard
+from data import token_dtype, write_shard
 
 LOCAL_BUILDERS = {'.parquet': 'parquet', '.jsonl': 'json', '.json': 'json', '.txt': 'text'}
 
 
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (e.g. Qwen3's) behind tiktoken's interface, so that data prepared
+    for a pretrained checkpoint uses exactly its vocabulary. `name` is the local file: workers and
+    sample.py can reopen it without the network."""
+
+    def __init__(self, path):
+        from tokenizers import Tokenizer
+        self.name = str(path)
+        self.tok = Tokenizer.from_file(self.name)
+        self.tok.encode_special_tokens = True   # like tiktoken's encode_ordinary: '<|endoftext|>' in a text is text
+        self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
+        self.eot_token = self.tok.token_to_id('<|endoftext|>')
+        if self.eot_token is None:
+            raise ValueError(f"tokenizer {path} has no '<|endoftext|>' token to separate documents")
+
+    def encode_ordinary(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def hf_tokenizer_file(name):
+    """A tokenizer.json path, a directory holding one (a checkpoint), or a Hugging Face hub repo such as
+    'Qwen/Qwen3-0.6B' (only tokenizer.json is fetched, with huggingface_hub) -> a local file."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        if not (path / 'tokenizer.json').is_file():
+            raise FileNotFoundError(f"{path} is a directory without tokenizer.json")
+        return path / 'tokenizer.json'
+    from huggingface_hub import hf_hub_download
+    try:
+        return Path(hf_hub_download(name, 'tokenizer.json'))
+    except Exception as e:
+        raise RuntimeError(f"tokenizer {name!r} is neither 'byte', 'gpt2', a local tokenizer.json or checkpoint "
+                           f"directory, nor a hub repository with a tokenizer.json that could be fetched "
+                           f"({type(e).__name__}: {e})") from e
+
+
 def get_tokenizer(name):
-    """The one place that maps a tokenizer name to an encoder (anything with encode_ordinary, eot_token,
-    n_vocab and name). Add new tokenizers here."""
+    """The one place that maps a tokenizer name to an encoder (anything with encode_ordinary, decode,
+    eot_token, n_vocab and name): 'byte', 'gpt2', or a Hugging Face tokenizer.json (see
+    hf_tokenizer_file). Add new tokenizers here."""
     if name == 'byte':
         # 256 byte tokens + <|endoftext|>: tiktoken builds it from the ranks alone, nothing to download.
         # With no merges, byte-level BPE is the identity on bytes, so any text (any language, any code)
@@ -58,7 +101,7 @@ def get_tokenizer(name):
                 f"$TIKTOKEN_CACHE_DIR. Offline options: `--demo` (the Python standard library with the byte "
                 f"tokenizer), or your own files with `--local FILE... --tokenizer=byte`; or copy a tiktoken "
                 f"cache from a machine with network access into $TIKTOKEN_CACHE_DIR.") from e
-    raise ValueError(f"unknown tokenizer {name!r}; choose 'gpt2' or 'byte'")
+    return HFTokenizer(hf_tokenizer_file(name))
 
 
 def demo_documents():
@@ -119,7 +162,7 @@ def _tokenize(text):
     """-> (hash of the text, its tokens). <|endoftext|> goes *before* each document, so the model always
     starts a document right after it. The hash lets the main process spot training copies of val texts."""
     digest = hashlib.blake2b(text.encode('utf-8', errors='replace'), digest_size=16).digest()
-    return digest, np.array([_enc.eot_token] + _enc.encode_ordinary(text), dtype=np.uint16)
+    return digest, np.array([_enc.eot_token] + _enc.encode_ordinary(text), dtype=token_dtype(_enc.n_vocab))
 
 
 def _tokenize_stream(pool, documents, chunk=256):
@@ -134,8 +177,7 @@ def _tokenize_stream(pool, documents, chunk=256):
 def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_size, num_proc):
     """Tokenize `documents` (an iterable of str) into out_dir; returns the meta dict written to meta.json."""
     enc = get_tokenizer(tokenizer)  # fail early (e.g. no network for GPT-2) before starting any work
-    if enc.n_vocab > 2 ** 16:
-        raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} tokens; the uint16 shard format holds 65,536")
+    tokenizer, dtype = enc.name, token_dtype(enc.n_vocab)   # a hub name is now a local file, for the workers
     if max_tokens is not None and max_tokens <= val_tokens:
         raise ValueError(f"--max_tokens ({max_tokens:,}) must exceed --val_tokens ({val_tokens:,}) to leave training data")
     partial = out_dir + '.partial'
@@ -156,7 +198,7 @@ def _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_toke
     written as they fill up."""
     val, val_hashes = [], set()
     n_val = n_train = n_docs_val = n_docs_train = n_dupes = 0
-    shard, shard_fill, shard_index = np.empty(shard_size, dtype=np.uint16), 0, 1
+    shard, shard_fill, shard_index = np.empty(shard_size, dtype=dtype), 0, 1
     bar = tqdm(total=max_tokens, unit='tok', unit_scale=True, desc=f'tokenizing {name}')
     with mp.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer,)) as pool:
         for digest, toks in _tokenize_stream(pool, documents):
@@ -180,17 +222,17 @@ def _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_toke
                 shard[shard_fill:shard_fill + k] = toks[:k]
                 shard_fill, toks = shard_fill + k, toks[k:]
                 if shard_fill == shard_size:
-                    write_shard(os.path.join(partial, f'{name}_train_{shard_index:06d}.bin'), shard)
+                    write_shard(os.path.join(partial, f'{name}_train_{shard_index:06d}.bin'), shard, dtype)
                     shard_fill, shard_index = 0, shard_index + 1
             if max_tokens is not None and n_val + n_train >= max_tokens:
                 break  # leaving the with-block terminates the pool: nothing more is read
     bar.close()
     if shard_fill:
-        write_shard(os.path.join(partial, f'{name}_train_{shard_index:06d}.bin'), shard[:shard_fill])
+        write_shard(os.path.join(partial, f'{name}_train_{shard_index:06d}.bin'), shard[:shard_fill], dtype)
     if n_train == 0:
         raise ValueError(f"the corpus has only {n_val:,} tokens in {n_docs_val} documents, all taken by the "
                          f"validation split; lower --val_tokens or add data")
-    write_shard(os.path.join(partial, f'{name}_val_000000.bin'), np.concatenate(val))
+    write_shard(os.path.join(partial, f'{name}_val_000000.bin'), np.concatenate(val), dtype)
     meta = dict(name=name, tokenizer=tokenizer, vocab_size=enc.n_vocab, eot_token=enc.eot_token,
                 val_tokens=n_val, val_documents=n_docs_val, train_tokens=n_train, train_documents=n_docs_train,
                 train_duplicates_of_val_dropped=n_dupes, shard_size=shard_size)
@@ -206,7 +248,9 @@ def main(argv=None):
     src.add_argument('--local', nargs='+', metavar='FILE', help='local .parquet, .jsonl/.json or .txt files')
     ap.add_argument('--dataset', default='HuggingFaceFW/fineweb-edu', help='Hugging Face dataset (streamed)')
     ap.add_argument('--subset', default='sample-10BT')
-    ap.add_argument('--tokenizer', choices=['gpt2', 'byte'], help='default: byte for --demo, gpt2 otherwise')
+    ap.add_argument('--tokenizer', help="'byte', 'gpt2', or a checkpoint's own Hugging Face tokenizer: a tokenizer.json, "
+                                        "a checkpoint directory holding one, or a hub repo such as Qwen/Qwen3-0.6B; "
+                                        "default: byte for --demo, gpt2 otherwise")
     ap.add_argument('--name', help='output folder data/<name>; default: demo, local or fineweb_edu')
     ap.add_argument('--data_root', default='data')
     ap.add_argument('--max_tokens', type=int,

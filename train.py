@@ -8,6 +8,8 @@ With DDP on the 8 GPUs of one node (the paper's runs):
 Across nodes, e.g. 2 nodes of 8 (run on each, with this node's --node_rank):
     torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST --master_port=29500 train.py config/...
 Continue a run from its last checkpoint (out_dir/ckpt.pt): the same command plus --init_from=resume.
+Fine-tune a pretrained Qwen3 (a local Hugging Face directory) converted to any residual mode:
+    torchrun --standalone --nproc_per_node=4 train.py config/finetune_qwen3_0.6b_delta_block.py
 
 Settings are the globals below; a config file and --key=value arguments override them (configurator.py).
 """
@@ -38,7 +40,7 @@ eval_interval = 500         # evaluate on the held-out split and write the check
 log_interval = 10
 eval_iters = 64             # val batches per evaluation, over all processes (fewer if the val split is smaller)
 eval_only = False           # evaluate once (e.g. with init_from='resume') and exit
-init_from = 'scratch'       # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+init_from = 'scratch'       # 'scratch', 'resume' (from out_dir/ckpt.pt) or a local Qwen3 checkpoint directory
 wandb_log = False           # W&B is optional: only imported when this is on
 wandb_project = 'delta-attnres'
 wandb_run_name = 'run'
@@ -62,6 +64,8 @@ rms_norm_eps = 1e-6
 tie_embeddings = True
 residual = 'standard'       # one of model.RESIDUAL_MODES
 n_blocks = 4
+res_gate = False            # additive modes: x = h + gate * routed; with a Qwen3 init_from the gates start at 0,
+                            # so the converted model is exactly the pretrained one (see GPT.from_qwen3)
 # AdamW
 learning_rate = 6e-4
 max_iters = 10000
@@ -69,6 +73,8 @@ weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0             # clip the global gradient norm at this value; 0 = no clipping
+routing_learning_rate = None  # None: learning_rate; else the routing parameters' own peak (same schedule shape)
+freeze_base = False         # train only the routing parameters (queries, key norms, gates)
 # learning rate schedule: linear warmup, then cosine decay to min_lr at lr_decay_iters
 decay_lr = True
 warmup_iters = 1000
@@ -91,8 +97,10 @@ config = {k: globals()[k] for k in config_keys}  # the full config, logged and s
 # check the settings that would otherwise fail late, after data loading or process-group setup
 if residual not in RESIDUAL_MODES:
     raise ValueError(f"residual={residual!r} is not a residual mode; choose one of {', '.join(RESIDUAL_MODES)}")
-if init_from not in ('scratch', 'resume'):
-    raise ValueError(f"init_from={init_from!r}: expected 'scratch' or 'resume'")
+if init_from not in ('scratch', 'resume') and not os.path.isdir(init_from):
+    raise ValueError(f"init_from={init_from!r}: expected 'scratch', 'resume' or a local Qwen3 checkpoint directory")
+if freeze_base and residual == 'standard':
+    raise ValueError("freeze_base=True leaves nothing to train: the 'standard' mode has no routing parameters")
 if dtype not in ('float32', 'bfloat16'):
     raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16' (float16 would need loss scaling)")
 
@@ -143,7 +151,7 @@ elif vocab_size < meta['vocab_size']:
 model_config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                          n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim, intermediate_size=intermediate_size,
                          rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tie_embeddings=tie_embeddings,
-                         residual=residual, n_blocks=n_blocks)
+                         residual=residual, n_blocks=n_blocks, res_gate=res_gate)
 ckpt = None
 if init_from == 'resume':
     if not os.path.isfile(ckpt_path):
@@ -153,8 +161,25 @@ if init_from == 'resume':
     if ckpt['model_config'] != asdict(model_config):
         diff = {k: (v, asdict(model_config)[k]) for k, v in ckpt['model_config'].items() if asdict(model_config)[k] != v}
         raise ValueError(f"the checkpoint's model differs from this config (checkpoint, now): {diff}")
-with torch.device(device):  # build directly on the GPU: no CPU copy of an 8B model per process
-    model = GPT(model_config)
+if init_from in ('scratch', 'resume'):
+    with torch.device(device):  # build directly on the GPU: no CPU copy of an 8B model per process
+        model = GPT(model_config)
+else:
+    # The config must spell out the checkpoint's shapes (config/_qwen3_0.6b.py does), so that the run's
+    # model_config describes the model and --init_from=resume rebuilds it from the config alone.
+    # The RoPE tables only need the training block_size, not the checkpoint's 40,960 positions.
+    model = GPT.from_qwen3(init_from, identity_init=res_gate, residual=residual, n_blocks=n_blocks, block_size=block_size)
+    diff = {k: (v, asdict(model_config)[k]) for k, v in asdict(model.config).items() if asdict(model_config)[k] != v}
+    if diff:
+        raise ValueError(f"init_from={init_from} holds another model than this config describes; set these "
+                         f"(checkpoint, config): {diff}")
+    model.to(device)
+    if master:
+        print(f"fine-tuning {init_from} as {residual}" + (" (zero gates: exactly the pretrained model at step 0)"
+                                                           if res_gate else ""))
+if freeze_base:
+    for name, p in model.named_parameters():
+        p.requires_grad_('_res_' in name)
 if master:
     print(f"{residual}: {model.get_num_params() / 1e6:.2f}M parameters "
           f"({model.get_num_params(non_embedding=True) / 1e6:.2f}M without the embedding), vocab {vocab_size}")
@@ -172,7 +197,8 @@ if fsdp:
         fully_shard(layer.mlp)
     fully_shard(model)
 raw_model = model  # the module that owns the parameters (FSDP shards them in place)
-optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+routing_lr_scale = 1.0 if routing_learning_rate is None else routing_learning_rate / learning_rate
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type, routing_lr_scale)
 
 iter_num = 0
 if ckpt is not None:
@@ -202,7 +228,7 @@ if master and init_from == 'resume' and os.path.isfile(log_path):
     with open(log_path + '.tmp', 'w') as f:
         f.writelines(kept)
     os.replace(log_path + '.tmp', log_path)
-if master and init_from == 'scratch' and os.path.exists(log_path):
+if master and init_from != 'resume' and os.path.exists(log_path):
     os.remove(log_path)
 if wandb_log and master:
     import wandb
@@ -301,7 +327,7 @@ while True:
 
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
-        group['lr'] = lr
+        group['lr'] = lr * group['lr_scale']   # the routing group may have its own scale (routing_learning_rate)
     want_stats = (iter_num + 1) % log_interval == 0
     loss_sum = torch.zeros((), device=device)
     for micro, (x, y) in enumerate(train_loader.train_batches()):

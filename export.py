@@ -1,0 +1,42 @@
+"""
+Export a train.py checkpoint to a Hugging Face-style directory (config.json + model.safetensors, and
+the tokenizer.json it was trained with, if it was one), which GPT.from_qwen3 and sample.py load back:
+
+    python export.py out/finetune_qwen3_0.6b_delta_block/ckpt.pt exported/qwen3_0.6b_delta_block
+
+A 'standard' model becomes a plain Qwen3 checkpoint that transformers' Qwen3ForCausalLM also loads.
+The routed modes keep their routing parameters under the same naming scheme and record their mode in
+config.json ('attention_residuals'); transformers would ignore both, so load them with GPT.from_qwen3.
+"""
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+from sample import load_model
+
+
+def export(ckpt_path, dest, dtype=None):
+    ckpt_path = Path(ckpt_path)
+    if ckpt_path.name != 'ckpt.pt':
+        raise ValueError(f"{ckpt_path}: expected a train.py checkpoint, out_dir/ckpt.pt")
+    model, tokenizer = load_model('resume', str(ckpt_path.parent))
+    model.save_qwen3(dest, dtype)
+    if tokenizer and Path(tokenizer).is_file():     # a tokenizer.json (not 'byte' / 'gpt2')
+        shutil.copy(tokenizer, Path(dest) / 'tokenizer.json')
+    return model
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('ckpt', help='out_dir/ckpt.pt written by train.py')
+    ap.add_argument('dest', help='directory to write')
+    ap.add_argument('--dtype', choices=['float32', 'bfloat16'], help='default: as trained (float32 master weights)')
+    args = ap.parse_args(argv)
+    model = export(args.ckpt, args.dest, getattr(torch, args.dtype) if args.dtype else None)
+    print(f"wrote {args.dest}: {model.config.residual}, {model.get_num_params() / 1e6:.2f}M parameters")
+
+
+if __name__ == '__main__':
+    main()
