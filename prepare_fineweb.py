@@ -177,7 +177,7 @@ def _tokenize_stream(pool, documents, chunk=256):
 def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_size, num_proc):
     """Tokenize `documents` (an iterable of str) into out_dir; returns the meta dict written to meta.json."""
     enc = get_tokenizer(tokenizer)  # fail early (e.g. no network for GPT-2) before starting any work
-    tokenizer, dtype = enc.name, token_dtype(enc.n_vocab)   # a hub name is now a local file, for the workers
+    tokenizer = enc.name   # a hub name is now a local file, for the workers
     if max_tokens is not None and max_tokens <= val_tokens:
         raise ValueError(f"--max_tokens ({max_tokens:,}) must exceed --val_tokens ({val_tokens:,}) to leave training data")
     partial = out_dir + '.partial'
@@ -196,7 +196,7 @@ def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_s
 def _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_tokens, shard_size, num_proc):
     """The work of prepare(): val documents are kept in memory until the end, training shards are
     written as they fill up."""
-    val, val_hashes = [], set()
+    val, val_hashes, dtype = [], set(), token_dtype(enc.n_vocab)
     n_val = n_train = n_docs_val = n_docs_train = n_dupes = 0
     shard, shard_fill, shard_index = np.empty(shard_size, dtype=dtype), 0, 1
     bar = tqdm(total=max_tokens, unit='tok', unit_scale=True, desc=f'tokenizing {name}')
