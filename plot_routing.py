@@ -6,8 +6,9 @@ Draw the papers' routing figures as PNGs (needs matplotlib, for this script only
     python plot_routing.py /path/to/exported_dir --data_dir=data/demo --out=routing
 
 Each run gives (a) one curve in <out>_max_weight.png: the mean over tokens of the largest routing
-weight at every sublayer, by depth (the papers' contrast: replacement modes ~0.6, additive ~0.2, i.e.
-AttnRes must concentrate its weight to rebuild the residual stream, Delta modes only add a correction),
+weight at every sublayer, by depth (the papers' contrast: ~0.2 in deep AttnRes layers, which spread
+their weight to rebuild the residual stream from many sources, vs ~0.6 for Delta, whose routed mix is a
+correction added to the intact stream and can pick a few sources),
 and (b) <out>_heatmap_<label>.png: the mean weight of each source (columns: E, then sublayer outputs
 or blocks) at each sublayer (rows). A checkpoint is measured with forward(stats=True) on the first
 --batches val batches of --data_dir (default: the dataset recorded in the checkpoint); a log.jsonl
