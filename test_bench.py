@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,61 @@ def test_fast_routing_memory_is_linear_in_depth():
         source_bytes = 2 * 16 * 32 * 4
         assert extra[L] <= 1.25 * (2 * L + 1) * source_bytes
     assert extra[8] <= 2.2 * extra[4]
+
+
+# aot_eager traces what inductor gets (dynamo graph + AOTAutograd joint graph through the custom
+# autograd.Function) in seconds; inductor itself takes minutes on 2 CPU cores: RUN_SLOW=1 adds it
+BACKENDS = [('delta_attnres', 'aot_eager')] + (
+    [('attnres', 'aot_eager'), ('delta_attnres', 'inductor'), ('attnres', 'inductor')] if os.environ.get('RUN_SLOW') else [])
+
+
+@pytest.mark.parametrize('mode,backend', BACKENDS)
+def test_compiled_equals_eager_one_graph(mode, backend):
+    # fullgraph=True: no graph break anywhere (so none per layer); two steps: no recompilation
+    import torch._dynamo
+    torch._dynamo.reset()
+    model = tiny(mode, n_layer=3)
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    logits_e, grads_e = loss_and_grads(model, idx, fast=True)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    torch._dynamo.utils.counters.clear()
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        logits_c, loss = compiled(idx, idx)
+        loss.backward()
+    assert torch._dynamo.utils.counters['stats']['unique_graphs'] == 1
+    assert not torch._dynamo.utils.counters['graph_break']
+    assert (logits_c - logits_e).abs().max() <= 1e-4 * logits_e.abs().max()
+    for name, p in model.named_parameters():
+        assert (p.grad - grads_e[name]).abs().max() <= 1e-3 * grads_e[name].abs().max().clamp_min(1e-12), name
+
+
+TINY_BENCH = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--head_dim=16',
+              '--intermediate_size=64', '--vocab_size=64', '--block_size=16', '--batch_size=2',
+              '--warmup=1', '--repeats=2', '--steps=1', '--n_blocks=2', '--device=cpu', '--compile=False']
+
+
+def run_bench(*args):
+    root = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, 'bench.py', *TINY_BENCH, *args], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_bench_prints_a_row_per_mode():
+    text = run_bench('--routing=both')
+    lines = text.splitlines()
+    assert any('saved' in l and 'each storage once' in l for l in lines)
+    for mode in MODES:
+        assert any(l.split()[:1] == [mode] and not l.split()[1].startswith('(') for l in lines), mode
+        if mode != 'standard':
+            assert any(l.startswith(f'{mode} (naive)') for l in lines), mode
+
+
+def test_bench_json():
+    rows = json.loads(run_bench('--json', '--residual=delta_attnres'))['rows']
+    assert [r['mode'] for r in rows] == ['standard', 'delta_attnres']
+    std, delta = rows
+    assert std['tok_per_s_ratio'] == 1.0 and std['saved_ratio'] == 1.0
+    assert delta['tok_per_s'] > 0 and delta['saved_bytes'] > std['saved_bytes']
