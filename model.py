@@ -84,13 +84,15 @@ def route(sources, proj, norm):
 # The same routing without its memory cost. route() stacks the N sources at every site, and autograd
 # keeps that stack (and RMSNorm's input and output, more copies of it) for the backward pass: with a
 # site per sublayer that is O(L^2) activation memory, and most of the papers' measured cost of Delta
-# AttnRes. The model keeps the sources alive anyway, so route_fast computes the same numbers from them:
+# AttnRes. Backward needs each source once, not a copy per site, so route_fast works on the sources:
 #
 #     w . RMSNorm_g(s_i) = (w * g) . s_i * r_i,     r_i = 1/rms(s_i) = rsqrt(mean(s_i^2) + eps)
 #
 # u = w * g is per site; r_i is per source, computed once (rms_inv) and reused by every later site. The
 # autograd.Function below saves only u, the r_i, the sources themselves (no copies) and a per-token
-# log-sum-exp, and recomputes the logits in backward. Tested equal to route() in values and gradients.
+# log-sum-exp, and recomputes the logits in backward. Extra saved memory: each source once (sublayer
+# modes: 2L+1; block modes: the completed blocks plus the open block's running sum at each sublayer).
+# Tested equal to route() in values and gradients (test_bench.py).
 
 def rms_inv(s, eps):
     """1/rms(s) over the last dim, in fp32. vector_norm saves s itself (not an fp32 copy) for backward."""
