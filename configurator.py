@@ -6,6 +6,8 @@ after it has defined its settings as plain globals (int, float, bool, str or Non
 first executes config/delta_block_220m.py, then applies each --key=value in order. Both paths only
 accept keys the script defines and values of the same type (an int is fine where a float is expected;
 a setting that defaults to None takes anything), so a typo fails loudly instead of being ignored.
+A script that reads another script's config files (bench.py and train.py's) sets
+_config_file_extras_ok = True to skip the file's settings it does not have.
 We exec into the script's globals instead of importing a config module: it keeps the script flat and
 every setting visible with a single grep, at the price of this small file being a bit unusual.
 """
@@ -43,6 +45,8 @@ for _arg in sys.argv[1:]:
             raise FileNotFoundError(f"config file {_arg} does not exist") from None
         for _key, _val in _ns.items():
             if not _key.startswith('_') and isinstance(_val, (int, float, bool, str, type(None))):
+                if _key not in _known and globals().get('_config_file_extras_ok'):
+                    continue  # e.g. bench.py takes a training config's model shape, not its out_dir
                 globals()[_key] = _check_setting(_key, _val, _known, _arg)
     else:
         if '=' not in _arg:

@@ -84,6 +84,74 @@ def route(sources, proj, norm):
     return torch.einsum('nbt,nbtd->btd', alpha.to(V.dtype), V), alpha
 
 
+# The same routing without its memory cost. route() stacks the N sources at every site, and autograd
+# keeps that stack (and RMSNorm's input and output, more copies of it) for the backward pass: with a
+# site per sublayer that is O(L^2) activation memory, and most of the papers' measured cost of Delta
+# AttnRes. Backward needs each source once, not a copy per site, so route_fast works on the sources:
+#
+#     w . RMSNorm_g(s_i) = (w * g) . s_i * r_i,     r_i = 1/rms(s_i) = rsqrt(mean(s_i^2) + eps)
+#
+# u = w * g is per site; r_i is per source, computed once (rms_inv) and reused by every later site. The
+# autograd.Function below saves only u, the r_i, the sources themselves (no copies) and a per-token
+# log-sum-exp, and recomputes the logits in backward. Extra saved memory: each source once (sublayer
+# modes: 2L+1; block modes: the completed blocks plus the open block's running sum at each sublayer).
+# Tested equal to route() in values and gradients (test_bench.py).
+
+def rms_inv(s, eps):
+    """1/rms(s) over the last dim, in fp32. vector_norm saves s itself (not an fp32 copy) for backward."""
+    return torch.rsqrt(torch.linalg.vector_norm(s, dim=-1, dtype=torch.float32).square() / s.shape[-1] + eps)
+
+
+def route_fast(sources, rinvs, proj, norm):
+    """route(sources, proj, norm), given rinvs[i] = rms_inv(sources[i], norm.eps)."""
+    u = (proj.weight[0] * norm.weight).float()
+    dtype = sources[0].dtype        # the output dtype route() has: its einsum's, under autocast too
+    for s in sources[1:]:
+        dtype = torch.promote_types(dtype, s.dtype)
+    if torch.is_autocast_enabled(sources[0].device.type):
+        dtype = torch.get_autocast_dtype(sources[0].device.type)
+    out, alpha = _Route.apply(u, *rinvs, *sources)
+    return out.to(dtype), alpha
+
+
+class _Route(torch.autograd.Function):
+    # logits_i = (s_i . u) r_i;  alpha = softmax_i(logits);  out = sum_i alpha_i s_i   (fp32 math)
+
+    @staticmethod
+    def forward(ctx, u, *rinvs_and_sources):
+        n = len(rinvs_and_sources) // 2
+        rinvs, sources = rinvs_and_sources[:n], rinvs_and_sources[n:]
+        with torch.autocast(sources[0].device.type, enabled=False):
+            logits = torch.stack([(s.float() @ u) * r for s, r in zip(sources, rinvs)])   # (N, B, T)
+            lse = logits.logsumexp(0)
+            alpha = (logits - lse).exp()
+            out = alpha[0].unsqueeze(-1) * sources[0]
+            for a, s in zip(alpha[1:], sources[1:]):
+                out = out.addcmul_(a.unsqueeze(-1), s)
+        ctx.save_for_backward(u, lse, *rinvs, *sources)
+        ctx.mark_non_differentiable(alpha)
+        return out, alpha
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_alpha):
+        u, lse, *rinvs_and_sources = ctx.saved_tensors
+        n = len(rinvs_and_sources) // 2
+        rinvs, sources = rinvs_and_sources[:n], rinvs_and_sources[n:]
+        with torch.autocast(grad_out.device.type, enabled=False):
+            g = grad_out.float()
+            dots = [s.float() @ u for s in sources]                                 # s_i . u
+            alpha = [(d * r - lse).exp() for d, r in zip(dots, rinvs)]
+            g_alpha = [(s * g).sum(-1) for s in sources]                            # d loss / d alpha_i
+            mean_g = sum(a * ga for a, ga in zip(alpha, g_alpha))
+            g_logit = [a * (ga - mean_g) for a, ga in zip(alpha, g_alpha)]          # softmax backward
+            coef = [gl * r for gl, r in zip(g_logit, rinvs)]                        # d loss / d (s_i . u)
+            g_sources = [torch.addcmul(a.unsqueeze(-1) * g, c.unsqueeze(-1), u).to(s.dtype)
+                         for a, c, s in zip(alpha, coef, sources)]
+            g_rinvs = [gl * d for gl, d in zip(g_logit, dots)]
+            g_u = sum(c.reshape(-1) @ s.reshape(-1, s.shape[-1]).float() for c, s in zip(coef, sources))
+        return (g_u, *g_rinvs, *g_sources)
+
+
 def routing_stats(alpha):
     """The papers' diagnostics for one site: how peaked the weights are, and where they go."""
     return {
@@ -195,18 +263,19 @@ class Layer(nn.Module):
             self.mlp_res_gate = nn.Parameter(torch.ones(()))
 
     def sublayers(self, cos, sin, kv=None):
-        """(name, f, query, key norm) for the attention and the MLP sublayer, in order."""
+        """(name, f, query, key norm, gate) for the attention and the MLP sublayer, in order; the routing
+        parts are None where the mode has none (the gate exists only with res_gate=True)."""
+        site = lambda kind: tuple(getattr(self, f'{kind}_res_{part}', None) for part in ('proj', 'norm', 'gate'))
         return (
-            ('attn', lambda x: self.self_attn(self.input_layernorm(x), cos, sin, kv),
-             getattr(self, 'attn_res_proj', None), getattr(self, 'attn_res_norm', None)),
-            ('mlp', lambda x: self.mlp(self.post_attention_layernorm(x)),
-             getattr(self, 'mlp_res_proj', None), getattr(self, 'mlp_res_norm', None)),
+            ('attn', lambda x: self.self_attn(self.input_layernorm(x), cos, sin, kv), *site('attn')),
+            ('mlp', lambda x: self.mlp(self.post_attention_layernorm(x)), *site('mlp')),
         )
 
 
 # -----------------------------------------------------------------------------
 
 class GPT(nn.Module):
+    fast_routing = True     # False: the plain route() at every site (the specification; bench.py's naive baseline)
 
     def __init__(self, config):
         super().__init__()
@@ -257,8 +326,17 @@ class GPT(nn.Module):
         lpb = self.config.layers_per_block
         site_stats = {}
 
-        def mix(name, sources, proj, norm):
-            out, alpha = route(sources, proj, norm)
+        rinvs = []              # route_fast: 1/rms of sources[i], computed once for all later sites
+
+        def mix(name, proj, norm):
+            """Route over the completed sources and the open block's partial sum, if there is one."""
+            srcs = sources + ([] if partial is None else [partial])
+            if self.fast_routing:
+                # `sources` only grows, so the 1/rms of each completed source is computed once
+                rinvs.extend([rms_inv(s, norm.eps) for s in sources[len(rinvs):]])
+                out, alpha = route_fast(srcs, rinvs + [rms_inv(s, norm.eps) for s in srcs[len(rinvs):]], proj, norm)
+            else:
+                out, alpha = route(srcs, proj, norm)
             if stats:
                 with torch.no_grad():
                     site_stats[name] = routing_stats(alpha)
@@ -269,15 +347,14 @@ class GPT(nn.Module):
         sources = [E]           # completed sources: [E, v_0, v_1, ...] or [E, b_1, b_2, ...]
         partial = None          # block modes: sum of the current block's sublayer outputs so far
         for i, layer in enumerate(self.layers):
-            for kind, f, proj, norm in layer.sublayers(cos, sin, None if kv_cache is None else kv_cache.layers[i]):
+            for kind, f, proj, norm, gate in layer.sublayers(cos, sin, None if kv_cache is None else kv_cache.layers[i]):
                 if self.mixing is None:
                     x = h
                 else:
                     if self.granularity == 'block' and kind == 'attn' and i % lpb == 0 and partial is not None:
                         sources.append(partial)                        # block boundary: close the block
                         partial = None
-                    routed = mix(f'layers.{i}.{kind}', sources + ([] if partial is None else [partial]), proj, norm)
-                    gate = getattr(layer, f'{kind}_res_gate', None)           # only with res_gate=True
+                    routed = mix(f'layers.{i}.{kind}', proj, norm)
                     x = routed if self.mixing == 'replace' else h + (routed if gate is None else gate * routed)
                 v = f(x)
                 if self.mixing != 'replace':
@@ -287,7 +364,7 @@ class GPT(nn.Module):
                 elif self.granularity == 'block':
                     partial = v if partial is None else partial + v    # = h(now) - h(block start) in Delta Block
         if self.mixing == 'replace':
-            h = mix('final', sources + ([] if partial is None else [partial]), self.final_res_proj, self.final_res_norm)
+            h = mix('final', self.final_res_proj, self.final_res_norm)
 
         if kv_cache is not None:
             kv_cache.pos += T

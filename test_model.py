@@ -180,6 +180,7 @@ def test_routing_stats_match_weights():
 
 def test_delta_block_deltas_sum_to_the_residual_stream():
     model = make_model('delta_block', n_blocks=3)
+    model.fast_routing = False      # spy on the plain route(); test_bench.py checks route_fast against it
     idx = torch.randint(0, 61, (2, 12))
     seen = {}
     real_route = model_module.route

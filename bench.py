@@ -1,0 +1,211 @@
+"""
+Benchmark full training steps (forward, backward, AdamW step) of the residual modes side by side.
+
+    python bench.py [config/x.py] [--key=value ...]
+    python bench.py --residual=delta_attnres --n_layer=24
+    python bench.py --routing=both          # also the plain stack-per-site route(): what the fast path buys
+    python bench.py --json                  # one JSON document on stdout instead of the table
+
+Synthetic random tokens; `warmup` steps per mode are not counted (they include torch.compile). Then
+`repeats` rounds, each timing `steps` steps of every mode in turn (A B C A B C ...), so that the ratios
+hold on a noisy machine; the median round is reported. Columns:
+  tok/s, x std     training throughput and its ratio to 'standard'
+  peak, x std      GPU: torch.cuda.max_memory_allocated of the mode's step, counted as if the mode's
+                   model were alone on the device (its own parameters and optimizer state included).
+                   CPU: not measured (process RSS is noise); see the saved column.
+  saved, x std     activations saved for backward by one training forward: every tensor that autograd
+                   packs (torch.autograd.graph.saved_tensors_hooks), each storage counted once, the
+                   parameters left out. Measured in eager mode, outside the timing.
+  MFU              GPU: model FLOPs (GPT.flops_per_token) per second over the device's peak BF16 dense
+                   FLOP/s (PEAK_FLOPS below, or --peak_flops=...).
+"""
+
+import contextlib
+import json as jsonlib
+import statistics
+import sys
+import time
+
+import torch
+
+from model import GPT, GPTConfig, RESIDUAL_MODES
+
+# -----------------------------------------------------------------------------
+# settings; defaults are the issue's CPU target shape (d=256, L=12, T=256, batch 4)
+residual = 'all'            # one of model.RESIDUAL_MODES, or 'all'
+routing = 'fast'            # 'fast' (model default), 'naive' (the plain route(): stack per site) or 'both'
+n_layer = 12
+n_head = 4
+n_kv_head = 2
+n_embd = 256
+head_dim = 64
+intermediate_size = 1024
+n_blocks = 4
+vocab_size = 50304
+block_size = 256            # sequence length of every step
+batch_size = 4
+warmup = 2                  # untimed steps per mode (compilation happens here)
+repeats = 5                 # timed rounds; the median is reported
+steps = 2                   # training steps per mode per round
+learning_rate = 6e-4
+weight_decay = 0.1
+device = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'  # autocast dtype; 'float32' = none
+compile = torch.cuda.is_available()     # torch.compile each model
+peak_flops = 0.0            # device peak FLOP/s for MFU; 0 = look the device up in PEAK_FLOPS
+seed = 1337
+json = False                # print one JSON document instead of the table
+_config_file_extras_ok = True   # train.py's config files also set out_dir, dataset, ...: not ours
+# a bare --json means --json=True; configurator.py prints its overrides, which must not spoil --json output
+sys.argv = [('--json=True' if a == '--json' else a) for a in sys.argv]
+with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sys.argv) else sys.stdout):
+    exec(open('configurator.py').read())
+# -----------------------------------------------------------------------------
+
+# dense BF16 tensor-core peak FLOP/s (vendor data sheets), first matching substring of the device name wins
+PEAK_FLOPS = [('H100 PCIe', 756e12), ('H100', 989e12), ('H200', 989e12), ('H800', 989e12), ('A100', 312e12)]
+
+
+def device_peak_flops():
+    if peak_flops:
+        return peak_flops
+    if device.startswith('cuda') and dtype == 'bfloat16':
+        name = torch.cuda.get_device_name(device)
+        return next((flops for key, flops in PEAK_FLOPS if key in name), None)
+    return None     # no table entry for CPUs, or for FP32 training
+
+
+def sync():
+    if device.startswith('cuda'):
+        torch.cuda.synchronize(device)
+
+
+def own_resident_bytes(model, optimizer):
+    """Bytes of a mode's own tensors that live across steps: parameters and AdamW state."""
+    tensors = list(model.parameters()) + [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def saved_activation_bytes(model, x, y, ctx):
+    """Bytes autograd saves for backward in one training forward: each storage once, parameters out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        _, loss = model(x, y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def main():
+    modes = list(RESIDUAL_MODES) if residual == 'all' else [residual]
+    for m in modes:
+        if m not in RESIDUAL_MODES:
+            raise ValueError(f"unknown residual {m!r}; expected 'all' or one of {', '.join(RESIDUAL_MODES)}")
+    if routing not in ('fast', 'naive', 'both'):
+        raise ValueError(f"routing must be 'fast', 'naive' or 'both', got {routing!r}")
+    if dtype not in ('float32', 'bfloat16', 'float16'):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if 'standard' not in modes:
+        modes = ['standard'] + modes        # the reference of every ratio
+    runs = [(m, r) for m in modes for r in (('fast', 'naive') if routing == 'both' else (routing,))
+            if not (m == 'standard' and r == 'naive')]     # standard routes nothing
+
+    torch.manual_seed(seed)
+    device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+    ctx = (contextlib.nullcontext() if dtype == 'float32'
+           else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype)))
+    x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
+    y = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
+
+    rows = {}
+    for mode, rt in runs:
+        cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                        n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim,
+                        intermediate_size=intermediate_size, residual=mode, n_blocks=n_blocks)
+        torch.manual_seed(seed)
+        model = GPT(cfg).to(device)
+        model.fast_routing = rt == 'fast'
+        optimizer = model.configure_optimizers(weight_decay, learning_rate, (0.9, 0.95), device_type)
+        saved = saved_activation_bytes(model, x, y, ctx)
+        fwd = torch.compile(model) if compile else model
+
+        def step(fwd=fwd, optimizer=optimizer):
+            with ctx:
+                _, loss = fwd(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for _ in range(warmup):
+            step()
+        sync()
+        rows[(mode, rt)] = dict(mode=mode, routing=rt, params=model.get_num_params(), saved_bytes=saved,
+                                step=step, model=model, optimizer=optimizer, times=[], peak_bytes=None,
+                                flops_per_token=model.flops_per_token(block_size))
+
+    for _ in range(repeats):                      # interleaved: A B C A B C ...
+        for row in rows.values():
+            peak_base = None
+            if device_type == 'cuda':
+                torch.cuda.reset_peak_memory_stats(device)
+                peak_base = torch.cuda.memory_allocated(device)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                row['step']()
+            sync()
+            row['times'].append(time.perf_counter() - t0)
+            if peak_base is not None:   # the other modes' resident models are in the base; count only this one's
+                peak = torch.cuda.max_memory_allocated(device) - peak_base + own_resident_bytes(row['model'], row['optimizer'])
+                row['peak_bytes'] = max(row['peak_bytes'] or 0, peak)
+
+    peak = device_peak_flops()
+    tokens = steps * batch_size * block_size
+    for row in rows.values():
+        row['seconds_per_step'] = statistics.median(row['times']) / steps
+        row['tok_per_s'] = tokens / statistics.median(row['times'])
+        row['mfu'] = row['flops_per_token'] * row['tok_per_s'] / peak if peak else None
+    std = rows[('standard', runs[0][1])]
+    for row in rows.values():
+        row['tok_per_s_ratio'] = row['tok_per_s'] / std['tok_per_s']
+        row['saved_ratio'] = row['saved_bytes'] / std['saved_bytes']
+        row['peak_ratio'] = row['peak_bytes'] / std['peak_bytes'] if row['peak_bytes'] else None
+        for k in ('step', 'model', 'optimizer'):
+            del row[k]
+
+    setup = dict(device=torch.cuda.get_device_name(device) if device_type == 'cuda' else f'cpu ({torch.get_num_threads()} threads)',
+                 torch=torch.__version__, dtype=dtype, compile=compile, n_layer=n_layer, n_embd=n_embd,
+                 n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim, intermediate_size=intermediate_size,
+                 n_blocks=n_blocks, vocab_size=vocab_size, block_size=block_size, batch_size=batch_size,
+                 warmup=warmup, repeats=repeats, steps=steps, peak_flops=peak,
+                 saved='activations saved for backward, eager, each storage once, parameters excluded',
+                 peak='torch.cuda.max_memory_allocated of the mode alone' if device_type == 'cuda' else None)
+    if json:
+        print(jsonlib.dumps(dict(setup=setup, rows=list(rows.values())), indent=1))
+        return
+    print(f"# {setup['device']}, torch {setup['torch']}, {dtype}, compile={compile}; L={n_layer} d={n_embd} "
+          f"T={block_size} batch={batch_size} vocab={vocab_size} n_blocks={n_blocks}; "
+          f"median of {repeats} interleaved rounds of {steps} steps")
+    print(f"# saved = {setup['saved']}" + (f"; peak = {setup['peak']}" if setup['peak'] else
+                                           "; peak: CPU, not measured"))
+    head = f"{'mode':<22} {'params':>8} {'tok/s':>9} {'x std':>6} {'peak MB':>9} {'x std':>6} {'saved MB':>9} {'x std':>6} {'MFU':>6}"
+    print(head)
+    print('-' * len(head))
+    for row in rows.values():
+        name = row['mode'] + (' (naive)' if row['routing'] == 'naive' else '')
+        peak_s = (f"{row['peak_bytes'] / 2**20:9.1f} {row['peak_ratio']:6.2f}" if row['peak_bytes'] else f"{'-':>9} {'-':>6}")
+        mfu_s = f"{100 * row['mfu']:5.1f}%" if row['mfu'] is not None else f"{'-':>6}"
+        print(f"{name:<22} {row['params'] / 1e6:7.2f}M {row['tok_per_s']:9.0f} {row['tok_per_s_ratio']:6.2f} {peak_s} "
+              f"{row['saved_bytes'] / 2**20:9.1f} {row['saved_ratio']:6.2f} {mfu_s}")
+
+
+if __name__ == '__main__':
+    main()

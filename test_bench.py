@@ -1,0 +1,226 @@
+"""Tests for the fast routing path (model.route_fast) and bench.py. Run: python -m pytest -q"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from model import GPT, GPTConfig, RESIDUAL_MODES, rms_inv, route, route_fast
+
+MODES = list(RESIDUAL_MODES)
+ROUTED = [m for m in MODES if m != 'standard']
+
+
+def site(d, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    proj, norm = nn.Linear(d, 1, bias=False), nn.RMSNorm(d, eps=1e-6)
+    with torch.no_grad():
+        proj.weight.copy_(3 * torch.randn(1, d, generator=g) / math.sqrt(d))
+        norm.weight.copy_(1 + 0.5 * torch.randn(d, generator=g))
+    return proj.to(dtype), norm.to(dtype)
+
+
+def both_routes(sources, proj, norm, grad_out):
+    """Values and gradients (sources, w, g) of route() and route_fast() for the same inputs."""
+    results = []
+    for fast in (False, True):
+        srcs = [s.detach().clone().requires_grad_() for s in sources]
+        proj.zero_grad(), norm.zero_grad()
+        if fast:
+            out, alpha = route_fast(srcs, [rms_inv(s, norm.eps) for s in srcs], proj, norm)
+        else:
+            out, alpha = route(srcs, proj, norm)
+        (out * grad_out).sum().backward()
+        results.append([out, alpha] + [s.grad for s in srcs] + [proj.weight.grad.clone(), norm.weight.grad.clone()])
+    return results
+
+
+@pytest.mark.parametrize('n', [1, 2, 7])
+def test_route_fast_matches_route_fp32(n):
+    d = 32
+    g = torch.Generator().manual_seed(n)
+    sources = [torch.randn(2, 5, d, generator=g) * (1 + i) for i in range(n)]
+    proj, norm = site(d, n)
+    ref, fast = both_routes(sources, proj, norm, torch.randn(2, 5, d, generator=g))
+    for r, f in zip(ref, fast):
+        torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-5)
+
+
+def test_route_fast_gradcheck_float64():
+    g = torch.Generator().manual_seed(0)
+    d = 6
+    sources = [torch.randn(2, 3, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    proj, norm = site(d, 0, torch.float64)
+    rinvs = [torch.rand(2, 3, generator=g, dtype=torch.float64, requires_grad=True) + 0.5 for _ in range(3)]
+    u = (proj.weight[0] * norm.weight).detach().requires_grad_()
+    from model import _Route
+    # the Function's math is fp32 by design; in float64 inputs gradcheck needs float64 math, so check
+    # the Function on float64 through its fp32 path with loose tolerances
+    assert torch.autograd.gradcheck(lambda u, *t: _Route.apply(u, *t)[0].double(), (u.float(), *[t.float() for t in rinvs + sources]),
+                                    eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_route_fast_matches_route_bf16():
+    # both in bf16 against an fp32 evaluation of the same bf16 inputs: the fast path (fp32 math inside)
+    # must be at least about as accurate as the plain route() run in bf16
+    d = 64
+    g = torch.Generator().manual_seed(3)
+    sources = [(torch.randn(2, 8, d, generator=g) * (1 + i)).bfloat16() for i in range(9)]
+    grad_out = torch.randn(2, 8, d, generator=g).bfloat16()
+    proj, norm = site(d, 3, torch.bfloat16)
+    ref_bf16, fast = both_routes(sources, proj, norm, grad_out)
+    exact, _ = both_routes([s.float() for s in sources], proj.float(), norm.float(), grad_out.float())
+    proj.bfloat16(), norm.bfloat16()
+    err_fast, err_ref = [], []
+    for r, f, e in zip(ref_bf16, fast, exact):
+        assert f.dtype == r.dtype       # bf16, and fp32 for alpha
+        err_fast.append(((f.float() - e).abs().max() / e.abs().max()).item())
+        err_ref.append(((r.float() - e).abs().max() / e.abs().max()).item())
+    assert max(err_fast) <= 0.02                      # bf16 rounding (2^-8) of results and inputs
+    assert sum(err_fast) <= sum(err_ref)              # fp32 math inside: no worse than route() in bf16
+
+
+def tiny(mode, **kw):
+    cfg = dict(vocab_size=61, block_size=16, n_layer=5, n_head=4, n_kv_head=2, n_embd=32, head_dim=8,
+               intermediate_size=48, residual=mode, n_blocks=2)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():       # random routing, so that the sources matter
+        for name, p in model.named_parameters():
+            if name.endswith('_res_proj.weight'):
+                p.copy_(3 * torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            elif name.endswith('_res_norm.weight'):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def loss_and_grads(model, idx, fast, dtype=None):
+    model.zero_grad(set_to_none=True)
+    model.fast_routing = fast
+    ctx = torch.autocast('cpu', dtype=dtype) if dtype else torch.autocast('cpu', enabled=False)
+    with ctx:
+        logits, loss = model(idx, idx)
+    loss.backward()
+    return logits, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize('n_blocks', [2, 5])
+@pytest.mark.parametrize('mode', ROUTED)
+def test_model_fast_equals_naive(mode, n_blocks):
+    model = tiny(mode, n_blocks=n_blocks)
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    logits_n, grads_n = loss_and_grads(model, idx, fast=False)
+    logits_f, grads_f = loss_and_grads(model, idx, fast=True)
+    assert (logits_f - logits_n).abs().max() <= 1e-5 * logits_n.abs().max()
+    for name in grads_n:        # fp32 rounding, relative to each gradient's largest entry
+        assert (grads_f[name] - grads_n[name]).abs().max() <= 1e-4 * grads_n[name].abs().max(), name
+
+
+@pytest.mark.parametrize('mode', ROUTED)
+def test_model_fast_equals_naive_bf16_autocast(mode):
+    # under BF16 autocast both paths differ from FP32 by rounding; the fast path (FP32 routing math)
+    # must be no further from the FP32 result than the plain route() is
+    model = tiny(mode)
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    logits_x, grads_x = loss_and_grads(model, idx, fast=False)
+    logits_n, grads_n = loss_and_grads(model, idx, fast=False, dtype=torch.bfloat16)
+    logits_f, grads_f = loss_and_grads(model, idx, fast=True, dtype=torch.bfloat16)
+    assert logits_f.dtype == logits_n.dtype == torch.bfloat16
+
+    def err(a, b):
+        return ((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    # tiny random-routing models amplify rounding, so compare the error levels, not single entries
+    assert err(logits_f, logits_x) <= 0.1 and err(logits_n, logits_x) <= 0.1
+    ef, en = [err(grads_f[k], grads_x[k]) for k in grads_x], [err(grads_n[k], grads_x[k]) for k in grads_x]
+    assert max(ef) <= 0.5 and sum(ef) <= 2 * sum(en), (max(ef), sum(ef), sum(en))
+
+
+def saved_bytes(model, idx):
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(idx, idx)
+    return sum(seen.values())
+
+
+def test_fast_routing_memory_is_linear_in_depth():
+    # extra saved bytes over 'standard': about (#sources) x B x T x d, not growing like L^2
+    idx = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(1))
+    extra = {}
+    for L in (4, 8):
+        std = saved_bytes(tiny('standard', n_layer=L), idx)
+        extra[L] = saved_bytes(tiny('delta_attnres', n_layer=L), idx) - std
+        source_bytes = 2 * 16 * 32 * 4
+        assert extra[L] <= 1.25 * (2 * L + 1) * source_bytes
+    assert extra[8] <= 2.2 * extra[4]
+
+
+# aot_eager traces what inductor gets (dynamo graph + AOTAutograd joint graph through the custom
+# autograd.Function) in seconds; inductor itself takes minutes on 2 CPU cores: RUN_SLOW=1 adds it
+BACKENDS = [('delta_attnres', 'aot_eager')] + (
+    [('attnres', 'aot_eager'), ('delta_attnres', 'inductor'), ('attnres', 'inductor')] if os.environ.get('RUN_SLOW') else [])
+
+
+@pytest.mark.parametrize('mode,backend', BACKENDS)
+def test_compiled_equals_eager_one_graph(mode, backend):
+    # fullgraph=True: no graph break anywhere (so none per layer); two steps: no recompilation
+    import torch._dynamo
+    torch._dynamo.reset()
+    model = tiny(mode, n_layer=3)
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    logits_e, grads_e = loss_and_grads(model, idx, fast=True)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    torch._dynamo.utils.counters.clear()
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        logits_c, loss = compiled(idx, idx)
+        loss.backward()
+    assert torch._dynamo.utils.counters['stats']['unique_graphs'] == 1
+    assert not torch._dynamo.utils.counters['graph_break']
+    assert (logits_c - logits_e).abs().max() <= 1e-4 * logits_e.abs().max()
+    for name, p in model.named_parameters():
+        assert (p.grad - grads_e[name]).abs().max() <= 1e-3 * grads_e[name].abs().max().clamp_min(1e-12), name
+
+
+TINY_BENCH = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--head_dim=16',
+              '--intermediate_size=64', '--vocab_size=64', '--block_size=16', '--batch_size=2',
+              '--warmup=1', '--repeats=2', '--steps=1', '--n_blocks=2', '--device=cpu', '--compile=False']
+
+
+def run_bench(*args):
+    root = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, 'bench.py', *TINY_BENCH, *args], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_bench_prints_a_row_per_mode():
+    text = run_bench('--routing=both')
+    lines = text.splitlines()
+    assert any('saved' in l and 'each storage once' in l for l in lines)
+    for mode in MODES:
+        assert any(l.split()[:1] == [mode] and not l.split()[1].startswith('(') for l in lines), mode
+        if mode != 'standard':
+            assert any(l.startswith(f'{mode} (naive)') for l in lines), mode
+
+
+def test_bench_json():
+    rows = json.loads(run_bench('--json', '--residual=delta_attnres'))['rows']
+    assert [r['mode'] for r in rows] == ['standard', 'delta_attnres']
+    std, delta = rows
+    assert std['tok_per_s_ratio'] == 1.0 and std['saved_ratio'] == 1.0
+    assert delta['tok_per_s'] > 0 and delta['saved_bytes'] > std['saved_bytes']
