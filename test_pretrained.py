@@ -10,10 +10,6 @@ import torch
 from model import GPT, KVCache, RESIDUAL_MODES
 from test_model import make_model, write_hf_qwen3
 
-# tiny models: intra-op threads only add synchronisation, and on a busy 2-core machine they make
-# these tests ~10x slower
-torch.set_num_threads(1)
-
 MODES = list(RESIDUAL_MODES)
 ADDITIVE = [m for m, (_, mixing) in RESIDUAL_MODES.items() if mixing == 'add']
 REPLACE = [m for m, (_, mixing) in RESIDUAL_MODES.items() if mixing == 'replace']
