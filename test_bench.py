@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from model import GPT, GPTConfig, RESIDUAL_MODES, rms_inv, route, route_fast
+from model import RESIDUAL_MODES, rms_inv, route, route_fast
+from test_model import make_model
 
 MODES = list(RESIDUAL_MODES)
 ROUTED = [m for m in MODES if m != 'standard']
@@ -72,22 +73,6 @@ def test_route_fast_matches_route_bf16():
     assert sum(err_fast) <= sum(err_ref)              # fp32 math inside: no worse than route() in bf16
 
 
-def tiny(mode, **kw):
-    cfg = dict(vocab_size=61, block_size=16, n_layer=5, n_head=4, n_kv_head=2, n_embd=32, head_dim=8,
-               intermediate_size=48, residual=mode, n_blocks=2)
-    cfg.update(kw)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**cfg))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():       # random routing, so that the sources matter
-        for name, p in model.named_parameters():
-            if name.endswith('_res_proj.weight'):
-                p.copy_(3 * torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-            elif name.endswith('_res_norm.weight'):
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-    return model
-
-
 def loss_and_grads(model, idx, fast, dtype=None):
     model.zero_grad(set_to_none=True)
     model.fast_routing = fast
@@ -101,7 +86,7 @@ def loss_and_grads(model, idx, fast, dtype=None):
 @pytest.mark.parametrize('n_blocks', [2, 5])
 @pytest.mark.parametrize('mode', ROUTED)
 def test_model_fast_equals_naive(mode, n_blocks):
-    model = tiny(mode, n_blocks=n_blocks)
+    model = make_model(mode, n_blocks=n_blocks)
     idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
     logits_n, grads_n = loss_and_grads(model, idx, fast=False)
     logits_f, grads_f = loss_and_grads(model, idx, fast=True)
@@ -114,7 +99,7 @@ def test_model_fast_equals_naive(mode, n_blocks):
 def test_model_fast_equals_naive_bf16_autocast(mode):
     # under BF16 autocast both paths differ from FP32 by rounding; the fast path (FP32 routing math)
     # must be no further from the FP32 result than the plain route() is
-    model = tiny(mode)
+    model = make_model(mode)
     idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
     logits_x, grads_x = loss_and_grads(model, idx, fast=False)
     logits_n, grads_n = loss_and_grads(model, idx, fast=False, dtype=torch.bfloat16)
@@ -147,8 +132,8 @@ def test_fast_routing_memory_is_linear_in_depth():
     idx = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(1))
     extra = {}
     for L in (4, 8):
-        std = saved_bytes(tiny('standard', n_layer=L), idx)
-        extra[L] = saved_bytes(tiny('delta_attnres', n_layer=L), idx) - std
+        std = saved_bytes(make_model('standard', n_layer=L), idx)
+        extra[L] = saved_bytes(make_model('delta_attnres', n_layer=L), idx) - std
         source_bytes = 2 * 16 * 32 * 4
         assert extra[L] <= 1.25 * (2 * L + 1) * source_bytes
     assert extra[8] <= 2.2 * extra[4]
@@ -165,7 +150,7 @@ def test_compiled_equals_eager_one_graph(mode, backend):
     # fullgraph=True: no graph break anywhere (so none per layer); two steps: no recompilation
     import torch._dynamo
     torch._dynamo.reset()
-    model = tiny(mode, n_layer=3)
+    model = make_model(mode, n_layer=3)
     idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
     logits_e, grads_e = loss_and_grads(model, idx, fast=True)
     compiled = torch.compile(model, fullgraph=True, backend=backend)
