@@ -152,25 +152,29 @@ model_config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n
                          n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim, intermediate_size=intermediate_size,
                          rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tie_embeddings=tie_embeddings,
                          residual=residual, n_blocks=n_blocks, res_gate=res_gate)
+def config_diff(other):
+    """{field: (other's value, this run's value)} where another model config differs from this run's."""
+    ours = asdict(model_config)
+    return {k: (v, ours[k]) for k, v in other.items() if ours[k] != v}
+
+
 ckpt = None
 if init_from == 'resume':
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"init_from='resume' but there is no checkpoint {ckpt_path}")
     # mmap: with many processes on a node the file is read once into the page cache, not once per process
     ckpt = torch.load(ckpt_path, map_location='cpu', mmap=True, weights_only=False)
-    if ckpt['model_config'] != asdict(model_config):
-        diff = {k: (v, asdict(model_config)[k]) for k, v in ckpt['model_config'].items() if asdict(model_config)[k] != v}
+    if diff := config_diff(ckpt['model_config']):
         raise ValueError(f"the checkpoint's model differs from this config (checkpoint, now): {diff}")
 if init_from in ('scratch', 'resume'):
     with torch.device(device):  # build directly on the GPU: no CPU copy of an 8B model per process
         model = GPT(model_config)
 else:
-    # The config must spell out the checkpoint's shapes (config/_qwen3_0.6b.py does), so that the run's
+    # The config must spell out the checkpoint's shapes (config/_finetune_qwen3_0.6b.py does), so that the run's
     # model_config describes the model and --init_from=resume rebuilds it from the config alone.
     # The RoPE tables only need the training block_size, not the checkpoint's 40,960 positions.
     model = GPT.from_qwen3(init_from, identity_init=res_gate, residual=residual, n_blocks=n_blocks, block_size=block_size)
-    diff = {k: (v, asdict(model_config)[k]) for k, v in asdict(model.config).items() if asdict(model_config)[k] != v}
-    if diff:
+    if diff := config_diff(asdict(model.config)):
         raise ValueError(f"init_from={init_from} holds another model than this config describes; set these "
                          f"(checkpoint, config): {diff}")
     model.to(device)
