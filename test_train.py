@@ -109,6 +109,10 @@ def test_resume_is_bitwise_and_nonfinite_loss_stops(corpus, tmp_path):
         assert all(torch.equal(v, b['optimizer']['state'][k][n]) for n, v in state.items())
     assert b['config']['max_iters'] == 6 and b['model_config']['residual'] == 'delta_block'
 
+    # resuming a run under another model shape is refused, naming what differs
+    p, _ = train(corpus, tmp_path / 'split', '--max_iters=9', '--init_from=resume', '--n_blocks=1', *common, check=False)
+    assert p.returncode != 0 and "differs from this config (checkpoint, now): {'n_blocks': (2, 1)}" in p.stderr
+
     # a NaN in the weights: the next step stops with a message and the last good checkpoint survives
     b['model']['layers.0.mlp.up_proj.weight'][0, 0] = float('nan')
     torch.save(b, tmp_path / 'split' / 'ckpt.pt')
