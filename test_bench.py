@@ -16,6 +16,9 @@ from test_model import make_model
 
 MODES = list(RESIDUAL_MODES)
 ROUTED = [m for m in MODES if m != 'standard']
+# the model-level checks also run on a GPU where there is one (CI has none: there they are skipped)
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA device')
+DEVICES = ['cpu', pytest.param('cuda', marks=ON_CUDA)]
 
 
 def site(d, seed, dtype=torch.float32):
@@ -76,18 +79,24 @@ def test_route_fast_matches_route_bf16():
 def loss_and_grads(model, idx, fast, dtype=None):
     model.zero_grad(set_to_none=True)
     model.fast_routing = fast
-    ctx = torch.autocast('cpu', dtype=dtype) if dtype else torch.autocast('cpu', enabled=False)
+    device = idx.device.type
+    ctx = torch.autocast(device, dtype=dtype) if dtype else torch.autocast(device, enabled=False)
     with ctx:
         logits, loss = model(idx, idx)
     loss.backward()
     return logits, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def model_and_tokens(mode, device='cpu', **kw):
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    return make_model(mode, **kw).to(device), idx.to(device)
+
+
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('n_blocks', [2, 5])
 @pytest.mark.parametrize('mode', ROUTED)
-def test_model_fast_equals_naive(mode, n_blocks):
-    model = make_model(mode, n_blocks=n_blocks)
-    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+def test_model_fast_equals_naive(mode, n_blocks, device):
+    model, idx = model_and_tokens(mode, device, n_blocks=n_blocks)
     logits_n, grads_n = loss_and_grads(model, idx, fast=False)
     logits_f, grads_f = loss_and_grads(model, idx, fast=True)
     assert (logits_f - logits_n).abs().max() <= 1e-5 * logits_n.abs().max()
@@ -95,12 +104,12 @@ def test_model_fast_equals_naive(mode, n_blocks):
         assert (grads_f[name] - grads_n[name]).abs().max() <= 1e-4 * grads_n[name].abs().max(), name
 
 
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('mode', ROUTED)
-def test_model_fast_equals_naive_bf16_autocast(mode):
+def test_model_fast_equals_naive_bf16_autocast(mode, device):
     # under BF16 autocast both paths differ from FP32 by rounding; the fast path (FP32 routing math)
     # must be no further from the FP32 result than the plain route() is
-    model = make_model(mode)
-    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    model, idx = model_and_tokens(mode, device)
     logits_x, grads_x = loss_and_grads(model, idx, fast=False)
     logits_n, grads_n = loss_and_grads(model, idx, fast=False, dtype=torch.bfloat16)
     logits_f, grads_f = loss_and_grads(model, idx, fast=True, dtype=torch.bfloat16)
@@ -140,18 +149,20 @@ def test_fast_routing_memory_is_linear_in_depth():
 
 
 # aot_eager traces what inductor gets (dynamo graph + AOTAutograd joint graph through the custom
-# autograd.Function) in seconds; inductor itself takes minutes on 2 CPU cores: RUN_SLOW=1 adds it
-BACKENDS = [('delta_attnres', 'aot_eager')] + (
-    [('attnres', 'aot_eager'), ('delta_attnres', 'inductor'), ('attnres', 'inductor')] if os.environ.get('RUN_SLOW') else [])
+# autograd.Function) in seconds; inductor itself takes minutes on 2 CPU cores: RUN_SLOW=1 adds it.
+# With a GPU, inductor compiles real CUDA kernels for three modes.
+BACKENDS = [('delta_attnres', 'aot_eager', 'cpu')] + (
+    [('attnres', 'aot_eager', 'cpu'), ('delta_attnres', 'inductor', 'cpu'), ('attnres', 'inductor', 'cpu')]
+    if os.environ.get('RUN_SLOW') else []) + [
+    pytest.param(mode, 'inductor', 'cuda', marks=ON_CUDA) for mode in ('delta_attnres', 'delta_block', 'attnres')]
 
 
-@pytest.mark.parametrize('mode,backend', BACKENDS)
-def test_compiled_equals_eager_one_graph(mode, backend):
+@pytest.mark.parametrize('mode,backend,device', BACKENDS)
+def test_compiled_equals_eager_one_graph(mode, backend, device):
     # fullgraph=True: no graph break anywhere (so none per layer); two steps: no recompilation
     import torch._dynamo
     torch._dynamo.reset()
-    model = make_model(mode, n_layer=3)
-    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    model, idx = model_and_tokens(mode, device, n_layer=3)
     logits_e, grads_e = loss_and_grads(model, idx, fast=True)
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     torch._dynamo.utils.counters.clear()
@@ -195,3 +206,13 @@ def test_bench_json():
     std, delta = rows
     assert std['tok_per_s_ratio'] == 1.0 and std['saved_ratio'] == 1.0
     assert delta['tok_per_s'] > 0 and delta['saved_bytes'] > std['saved_bytes']
+
+
+@ON_CUDA
+def test_bench_on_cuda_compiled_bf16():
+    # the GPU columns: peak memory of each mode alone, and MFU against a given peak
+    rows = json.loads(run_bench('--json', '--residual=delta_block', '--device=cuda', '--compile=True',
+                                '--dtype=bfloat16', '--peak_flops=1e12'))['rows']
+    assert [r['mode'] for r in rows] == ['standard', 'delta_block']
+    for r in rows:
+        assert r['peak_bytes'] > 0 and r['peak_ratio'] > 0 and 0 < r['mfu'] < 1
