@@ -3,6 +3,7 @@ Benchmark full training steps (forward, backward, AdamW step) of the residual mo
 
     python bench.py [config/x.py] [--key=value ...]
     python bench.py --residual=delta_attnres --n_layer=24
+    python bench.py config/delta_block_220m.py --residual=delta_block,delta_attnres   # on a GPU: 220m, compile + BF16
     python bench.py --routing=both          # also the plain stack-per-site route(): what the fast path buys
     python bench.py --json                  # one JSON document on stdout instead of the table
 
@@ -32,7 +33,7 @@ from model import GPT, GPTConfig, RESIDUAL_MODES
 
 # -----------------------------------------------------------------------------
 # settings; defaults are the CPU target shape (d=256, L=12, T=256, batch 4)
-residual = 'all'            # one of model.RESIDUAL_MODES, or 'all'
+residual = 'all'            # 'all', one of model.RESIDUAL_MODES, or several joined by commas ('standard' is always added)
 routing = 'fast'            # 'fast' (model default), 'naive' (the plain route(): stack per site) or 'both'
 n_layer = 12
 n_head = 4
@@ -105,10 +106,10 @@ def saved_activation_bytes(model, x, y, ctx):
 
 
 def main():
-    modes = list(RESIDUAL_MODES) if residual == 'all' else [residual]
+    modes = list(RESIDUAL_MODES) if residual == 'all' else list(dict.fromkeys(residual.split(',')))
     for m in modes:
         if m not in RESIDUAL_MODES:
-            raise ValueError(f"unknown residual {m!r}; expected 'all' or one of {', '.join(RESIDUAL_MODES)}")
+            raise ValueError(f"unknown residual {m!r}; expected 'all' or modes from {', '.join(RESIDUAL_MODES)}, joined by commas")
     if routing not in ('fast', 'naive', 'both'):
         raise ValueError(f"routing must be 'fast', 'naive' or 'both', got {routing!r}")
     if dtype not in ('float32', 'bfloat16', 'float16'):

@@ -201,11 +201,18 @@ def test_bench_prints_a_row_per_mode():
 
 
 def test_bench_json():
-    rows = json.loads(run_bench('--json', '--residual=delta_attnres'))['rows']
-    assert [r['mode'] for r in rows] == ['standard', 'delta_attnres']
-    std, delta = rows
+    rows = json.loads(run_bench('--json', '--residual=delta_attnres,attnres'))['rows']
+    assert [r['mode'] for r in rows] == ['standard', 'delta_attnres', 'attnres']
+    std, delta, _ = rows
     assert std['tok_per_s_ratio'] == 1.0 and std['saved_ratio'] == 1.0
     assert delta['tok_per_s'] > 0 and delta['saved_bytes'] > std['saved_bytes']
+
+
+def test_bench_rejects_an_unknown_mode():
+    root = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, 'bench.py', *TINY_BENCH, '--residual=delta_block,delta'], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "unknown residual 'delta'" in out.stderr
 
 
 @ON_CUDA
