@@ -9,8 +9,10 @@ Benchmark full training steps (forward, backward, AdamW step) of the residual mo
 
 Synthetic random tokens; `warmup` steps per mode are not counted (they include torch.compile). Then
 `repeats` rounds, each timing `steps` steps of every mode in turn (A B C A B C ...), so that the ratios
-hold on a noisy machine; the median round is reported. Columns:
-  tok/s, x std     training throughput and its ratio to 'standard'
+hold on a noisy machine. Columns:
+  tok/s            training throughput, median over the rounds
+  x std, range     ratio to 'standard' within each round (the two ran back to back): the median round,
+                   and the lowest and highest; a wide range means the machine's load changed
   peak, x std      GPU: torch.cuda.max_memory_allocated of the mode's step, counted as if the mode's
                    model were alone on the device (its own parameters and optimizer state included).
                    CPU: not measured (process RSS is noise); see the saved column.
@@ -176,7 +178,9 @@ def main():
         row['mfu'] = row['flops_per_token'] * row['tok_per_s'] / peak if peak else None
     std = rows[('standard', runs[0][1])]
     for row in rows.values():
-        row['tok_per_s_ratio'] = row['tok_per_s'] / std['tok_per_s']
+        per_round = [t_std / t for t_std, t in zip(std['times'], row['times'])]
+        row['tok_per_s_ratio'] = statistics.median(per_round)
+        row['tok_per_s_ratio_range'] = [min(per_round), max(per_round)]
         row['saved_ratio'] = row['saved_bytes'] / std['saved_bytes']
         row['peak_ratio'] = row['peak_bytes'] / std['peak_bytes'] if row['peak_bytes'] else None
         for k in ('step', 'model', 'optimizer'):
@@ -197,14 +201,16 @@ def main():
           f"median of {repeats} interleaved rounds of {steps} steps")
     print(f"# saved = {setup['saved']}" + (f"; peak = {setup['peak']}" if setup['peak'] else
                                            "; peak: CPU, not measured"))
-    head = f"{'mode':<22} {'params':>8} {'tok/s':>9} {'x std':>6} {'peak MB':>9} {'x std':>6} {'saved MB':>9} {'x std':>6} {'MFU':>6}"
+    head = (f"{'mode':<22} {'params':>8} {'tok/s':>9} {'x std':>6} {'range':>9} {'peak MB':>9} {'x std':>6} "
+            f"{'saved MB':>9} {'x std':>6} {'MFU':>6}")
     print(head)
     print('-' * len(head))
     for row in rows.values():
         name = row['mode'] + (' (naive)' if row['routing'] == 'naive' else '')
         peak_s = (f"{row['peak_bytes'] / 2**20:9.1f} {row['peak_ratio']:6.2f}" if row['peak_bytes'] else f"{'-':>9} {'-':>6}")
         mfu_s = f"{100 * row['mfu']:5.1f}%" if row['mfu'] is not None else f"{'-':>6}"
-        print(f"{name:<22} {row['params'] / 1e6:7.2f}M {row['tok_per_s']:9.0f} {row['tok_per_s_ratio']:6.2f} {peak_s} "
+        lo, hi = row['tok_per_s_ratio_range']
+        print(f"{name:<22} {row['params'] / 1e6:7.2f}M {row['tok_per_s']:9.0f} {row['tok_per_s_ratio']:6.2f} {lo:4.2f}-{hi:4.2f} {peak_s} "
               f"{row['saved_bytes'] / 2**20:9.1f} {row['saved_ratio']:6.2f} {mfu_s}")
 
 

@@ -206,6 +206,8 @@ def test_bench_json():
     std, delta, _ = rows
     assert std['tok_per_s_ratio'] == 1.0 and std['saved_ratio'] == 1.0
     assert delta['tok_per_s'] > 0 and delta['saved_bytes'] > std['saved_bytes']
+    lo, hi = delta['tok_per_s_ratio_range']         # the per-round ratios around their median
+    assert 0 < lo <= delta['tok_per_s_ratio'] <= hi
 
 
 def test_bench_rejects_an_unknown_mode():
