@@ -182,10 +182,14 @@ TINY_BENCH = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--he
               '--warmup=1', '--repeats=2', '--steps=1', '--n_blocks=2', '--device=cpu', '--compile=False']
 
 
-def run_bench(*args):
+def bench_process(*args):
     root = Path(__file__).resolve().parent
-    out = subprocess.run([sys.executable, 'bench.py', *TINY_BENCH, *args], cwd=root, capture_output=True,
-                         text=True, timeout=120)
+    return subprocess.run([sys.executable, 'bench.py', *TINY_BENCH, *args], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+
+
+def run_bench(*args):
+    out = bench_process(*args)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -211,9 +215,7 @@ def test_bench_json():
 
 
 def test_bench_rejects_an_unknown_mode():
-    root = Path(__file__).resolve().parent
-    out = subprocess.run([sys.executable, 'bench.py', *TINY_BENCH, '--residual=delta_block,delta'], cwd=root,
-                         capture_output=True, text=True, timeout=120)
+    out = bench_process('--residual=delta_block,delta')
     assert out.returncode != 0 and "unknown residual 'delta'" in out.stderr
 
 
