@@ -44,6 +44,7 @@ n_embd = 256
 head_dim = 64
 intermediate_size = 1024
 n_blocks = 4
+variant = 'paper'           # 'paper' or 'official' (the authors' code's bookkeeping for the Delta modes)
 vocab_size = 50304
 block_size = 256            # sequence length of every step
 batch_size = 4
@@ -132,7 +133,7 @@ def main():
     for mode, rt in runs:
         cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim,
-                        intermediate_size=intermediate_size, residual=mode, n_blocks=n_blocks)
+                        intermediate_size=intermediate_size, residual=mode, n_blocks=n_blocks, variant=variant)
         torch.manual_seed(seed)
         model = GPT(cfg).to(device)
         model.fast_routing = rt == 'fast'

@@ -47,6 +47,7 @@ class GPTConfig:
     residual: str = 'standard'      # one of RESIDUAL_MODES
     n_blocks: int = 4               # blocks for 'attnres' / 'delta_block'
     res_gate: bool = False          # additive modes: x = h + gate * routed, one learnable scalar per site
+    variant: str = 'paper'          # 'paper': the papers' definitions; 'official': the authors' code as run (Delta modes)
 
     def __post_init__(self):
         if self.residual not in RESIDUAL_MODES:
@@ -56,6 +57,8 @@ class GPTConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not 1 <= self.n_blocks <= self.n_layer:
             raise ValueError(f"n_blocks must be in 1..n_layer={self.n_layer}, got {self.n_blocks}")
+        if self.variant not in ('paper', 'official'):
+            raise ValueError(f"variant must be 'paper' or 'official', got {self.variant!r}")
         if self.res_gate and RESIDUAL_MODES[self.residual][1] != 'add':
             raise ValueError(f"res_gate applies to the additive modes (delta_attnres, delta_block), not {self.residual!r}")
         if self.n_head % self.n_kv_head != 0:

@@ -64,6 +64,7 @@ rms_norm_eps = 1e-6
 tie_embeddings = True
 residual = 'standard'       # one of model.RESIDUAL_MODES
 n_blocks = 4
+variant = 'paper'           # 'paper': the papers' definitions; 'official': the authors' code as run (see model.py)
 res_gate = False            # additive modes: x = h + gate * routed; with a Qwen3 init_from the gates start at 0,
                             # so the converted model is exactly the pretrained one (see GPT.from_qwen3)
 # AdamW
@@ -151,7 +152,7 @@ elif vocab_size < meta['vocab_size']:
 model_config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                          n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim, intermediate_size=intermediate_size,
                          rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tie_embeddings=tie_embeddings,
-                         residual=residual, n_blocks=n_blocks, res_gate=res_gate)
+                         residual=residual, n_blocks=n_blocks, res_gate=res_gate, variant=variant)
 def config_diff(other):
     """{field: (other's value, this run's value)} where another model config differs from this run's."""
     ours = asdict(model_config)
@@ -173,7 +174,8 @@ else:
     # The config must spell out the checkpoint's shapes (config/_finetune_qwen3_0.6b.py does), so that the run's
     # model_config describes the model and --init_from=resume rebuilds it from the config alone.
     # The RoPE tables only need the training block_size, not the checkpoint's 40,960 positions.
-    model = GPT.from_qwen3(init_from, identity_init=res_gate, residual=residual, n_blocks=n_blocks, block_size=block_size)
+    model = GPT.from_qwen3(init_from, identity_init=res_gate, residual=residual, n_blocks=n_blocks, variant=variant,
+                           block_size=block_size)
     if diff := config_diff(asdict(model.config)):
         raise ValueError(f"init_from={init_from} holds another model than this config describes; set these "
                          f"(checkpoint, config): {diff}")
