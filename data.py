@@ -2,18 +2,24 @@
 The token-shard format and how training reads it.
 
 A dataset is a folder data/<name>/ holding
-  meta.json                 tokenizer name, vocab size, token counts (written by prepare_fineweb.py)
+  meta.json                 tokenizer name, vocab size, token counts, the shards and their lengths
+                            (written by prepare_fineweb.py, last)
   <name>_val_000000.bin     the held-out validation split (whole documents, never in training)
   <name>_train_000001.bin   training shards, ...
 Each .bin file is llm.c's format: a 256 x int32 header (magic, version, token count, then zeros)
 followed by the tokens: uint16 in version 1 (llm.c's), uint32 in version 2 (ours, for vocabularies
 over 65,536 such as Qwen3's 151,936). The header lets us catch the two usual accidents loudly: a file that
 is not a shard at all (bad magic) and a file that was cut short by a crash or a full disk (truncated).
+ShardLoader also checks the shards against meta.json (the same files and token counts, every token id
+inside the vocabulary), so a dataset left half-replaced or mixed with another one is refused, not trained on.
+Every error names the file it is about. read_checkpoint does the same for train.py's checkpoints.
 """
 
 import glob
 import json
 import os
+import pickle
+import zipfile
 
 import numpy as np
 
@@ -44,8 +50,9 @@ def write_shard(path, tokens, dtype=np.uint16):
     os.replace(tmp, path)
 
 
-def read_shard(path):
-    """Memory-map the tokens of one shard after checking its header against the file size."""
+def read_shard(path, vocab_size=None):
+    """Memory-map the tokens of one shard after checking its header against the file size and, given the
+    dataset's vocab_size, every token id against it (one pass over the file: ~0.1 s per 100M tokens once cached)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data shard {path} does not exist")
     size = os.path.getsize(path)
@@ -63,7 +70,14 @@ def read_shard(path):
     if size != expected:
         raise ValueError(f"data shard {path} is corrupt: the header says {ntok:,} tokens ({expected:,} bytes) "
                          f"but the file has {size:,} bytes (truncated or overwritten?); re-run prepare_fineweb.py")
-    return np.memmap(path, dtype=dtype, mode='r', offset=HEADER_BYTES, shape=(ntok,))
+    tokens = np.memmap(path, dtype=dtype, mode='r', offset=HEADER_BYTES, shape=(ntok,))
+    if vocab_size is not None and ntok and (top := int(tokens.max())) >= vocab_size:
+        raise ValueError(f"data shard {path} holds token id {top}, outside the dataset's vocabulary of {vocab_size} "
+                         f"(meta.json): the shard belongs to another tokenizer or is corrupt; re-run prepare_fineweb.py")
+    return tokens
+
+
+META_KEYS = ('tokenizer', 'vocab_size')  # what every reader needs; prepare_fineweb.py writes more
 
 
 def load_meta(data_dir):
@@ -71,8 +85,53 @@ def load_meta(data_dir):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no dataset at {data_dir} (missing {path}); "
                                 f"prepare one first, e.g. `python prepare_fineweb.py --demo`")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is corrupt ({e}); re-run prepare_fineweb.py") from None
+    if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS):
+        raise ValueError(f"{path} is not a prepare_fineweb.py meta.json (it needs {', '.join(META_KEYS)}); "
+                         f"re-run prepare_fineweb.py")
+    return meta
+
+
+def check_split(data_dir, split, paths, shards, meta):
+    """The split's shards are the ones meta.json lists (newer datasets record them) and hold its token count
+    (every prepare_fineweb.py dataset records that)."""
+    path = os.path.join(data_dir, 'meta.json')
+    if 'shards' in meta:
+        listed = {n for n in meta['shards'] if f'_{split}_' in n}
+        present = {os.path.basename(p) for p in paths}
+        if listed != present:
+            raise ValueError(f"the {split} shards in {data_dir} do not match {path}: missing {sorted(listed - present)}, "
+                             f"not listed {sorted(present - listed)}; an interrupted or mixed dataset? re-run prepare_fineweb.py")
+    ntok = sum(len(s) for s in shards)
+    if f'{split}_tokens' in meta and ntok != meta[f'{split}_tokens']:
+        raise ValueError(f"the {split} shards in {data_dir} hold {ntok:,} tokens but {path} says {meta[f'{split}_tokens']:,}; "
+                         f"an interrupted or mixed dataset? re-run prepare_fineweb.py")
+
+
+def read_checkpoint(path, mmap=False):
+    """torch.load a train.py checkpoint, with an error that names the file and what to do if it is not one."""
+    import torch  # here, not at the top: prepare_fineweb.py and its workers need no torch
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint {path}")
+    best = os.path.join(os.path.dirname(path), 'best.pt')
+    advice = (f"use the best-validation checkpoint instead (e.g. copy {best} to {path}) or start a new run"
+              if os.path.isfile(best) and os.path.basename(path) != 'best.pt' else "start a new run")
+    size = os.path.getsize(path)
+    # torch.save writes a zip file whose directory is at its end: a cut-short file has none
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"checkpoint {path} is {'empty (0 bytes)' if size == 0 else f'truncated or corrupt ({size:,} bytes)'}: "
+                         f"its write did not finish (a crash or a full disk?); {advice}")
+    try:
+        ckpt = torch.load(path, map_location='cpu', mmap=mmap, weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        raise ValueError(f"checkpoint {path} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:200]}); {advice}") from None
+    if not isinstance(ckpt, dict) or not {'model', 'model_config', 'meta'} <= ckpt.keys():
+        raise ValueError(f"{path} is not a train.py checkpoint (no model, model_config and meta entries)")
+    return ckpt
 
 
 def shard_paths(data_dir, split):
@@ -98,10 +157,14 @@ class ShardLoader:
     between runs on different numbers of processes.
     """
 
-    def __init__(self, data_dir, split, batch_size, block_size, rank=0, world_size=1, grad_accum=1, seed=0):
+    def __init__(self, data_dir, split, batch_size, block_size, rank=0, world_size=1, grad_accum=1, seed=0, meta=None):
+        """meta: the dataset's meta.json (load_meta); given, the shards are checked against it."""
         self.split, self.B, self.T = split, batch_size, block_size
         self.rank, self.world_size, self.grad_accum, self.seed = rank, world_size, grad_accum, seed
-        self.shards = [read_shard(p) for p in shard_paths(data_dir, split)]
+        paths = shard_paths(data_dir, split)
+        self.shards = [read_shard(p, meta and meta['vocab_size']) for p in paths]
+        if meta is not None:
+            check_split(data_dir, split, paths, self.shards, meta)
         # window i of shard s starts at token i*T; it needs T+1 tokens (the last one is only a target)
         counts = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(counts)])

@@ -11,8 +11,10 @@ Every document is preceded by <|endoftext|>. The first documents (at least --val
 them) form the validation shard; all later documents go to the training shards, and any later document
 whose text is identical to a validation document is dropped, so validation text never appears in
 training. (The official Attention Residuals code evaluates on its training stream with another seed.)
-The result is written to data/<name>.partial/ and renamed to data/<name>/ only when complete, so an
-interrupted run never leaves a half dataset that looks finished.
+The result is written to data/<name>.partial/ (meta.json last, listing every shard and its length) and
+renamed to data/<name>/ only when complete; an existing data/<name>/ is first renamed aside and deleted
+only after the swap. So an interrupted run never leaves a half dataset that looks finished, and train.py
+checks the shards against meta.json anyway.
 """
 
 import argparse
@@ -119,22 +121,39 @@ def demo_documents():
 
 
 def local_documents(files, text_column, sample_by):
-    """Documents from local parquet/jsonl/txt files through datasets' own builders (streamed)."""
-    from datasets import load_dataset
+    """Documents from local parquet/jsonl/txt files through datasets' own builders (streamed), one file
+    after the other. The files are checked here, before any work; a file that fails to parse later names itself."""
     files = [str(f) for f in files]
     for f in files:
+        if os.path.isdir(f):
+            raise ValueError(f"--local {f} is a directory; pass the files in it (e.g. {os.path.join(f, '*.jsonl')})")
         if not os.path.isfile(f):
             raise FileNotFoundError(f"--local file {f} does not exist")
+        if os.path.getsize(f) == 0:
+            raise ValueError(f"--local file {f} is empty")
     kinds = {LOCAL_BUILDERS.get(Path(f).suffix.lower()) for f in files}
     if None in kinds or len(kinds) > 1:
         raise ValueError(f"--local files must all be one kind, with suffix one of {sorted(LOCAL_BUILDERS)}; got {files}")
-    builder = kinds.pop()
+    return _local_rows(files, kinds.pop(), text_column, sample_by)
+
+
+def _local_rows(files, builder, text_column, sample_by):
+    from datasets import load_dataset
     kwargs = {'sample_by': sample_by} if builder == 'text' else {}
-    ds = load_dataset(builder, data_files=list(files), split='train', streaming=True, **kwargs)
-    for row in ds:
-        if text_column not in row:
-            raise ValueError(f"--local rows have no {text_column!r} column (columns: {sorted(row)}); set --text_column")
-        yield row[text_column]
+    for f in files:
+        rows = iter(load_dataset(builder, data_files=[f], split='train', streaming=True, **kwargs))
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                break
+            except Exception as e:  # a parse error (pyarrow's, a UnicodeDecodeError, ...) that does not say where
+                raise ValueError(f"--local file {f} is not readable as {builder} "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+            if text_column not in row:
+                raise ValueError(f"--local file {f}: rows have no {text_column!r} column (columns: {sorted(row)}); "
+                                 f"set --text_column")
+            yield row[text_column]
 
 
 def fineweb_documents(dataset, subset):
@@ -188,15 +207,26 @@ def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_s
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # no half-written dataset left behind, whatever stopped us
         raise
-    shutil.rmtree(out_dir, ignore_errors=True)
+    # Replace an existing dataset by two renames (atomic each); deleting it in place could be interrupted
+    # half-way and leave meta.json beside missing shards. Killed between the renames, the old dataset is
+    # complete in <name>.old and the new one in <name>.partial; data/<name>/ is missing, which train.py says.
+    old = out_dir + '.old'
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(out_dir):
+        os.replace(out_dir, old)
     os.replace(partial, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
     return meta
 
 
 def _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_tokens, shard_size, num_proc):
     """The work of prepare(): val documents are kept in memory until the end, training shards are
     written as they fill up."""
-    val, val_hashes, dtype = [], set(), token_dtype(enc.n_vocab)
+    val, val_hashes, dtype, shards = [], set(), token_dtype(enc.n_vocab), {}
+
+    def write(kind, index, tokens):
+        shards[f'{name}_{kind}_{index:06d}.bin'] = len(tokens)
+        write_shard(os.path.join(partial, f'{name}_{kind}_{index:06d}.bin'), tokens, dtype)
     n_val = n_train = n_docs_val = n_docs_train = n_dupes = 0
     shard, shard_fill, shard_index = np.empty(shard_size, dtype=dtype), 0, 1
     bar = tqdm(total=max_tokens, unit='tok', unit_scale=True, desc=f'tokenizing {name}')
@@ -222,20 +252,20 @@ def _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_toke
                 shard[shard_fill:shard_fill + k] = toks[:k]
                 shard_fill, toks = shard_fill + k, toks[k:]
                 if shard_fill == shard_size:
-                    write_shard(os.path.join(partial, f'{name}_train_{shard_index:06d}.bin'), shard, dtype)
+                    write('train', shard_index, shard)
                     shard_fill, shard_index = 0, shard_index + 1
             if max_tokens is not None and n_val + n_train >= max_tokens:
                 break  # leaving the with-block terminates the pool: nothing more is read
     bar.close()
     if shard_fill:
-        write_shard(os.path.join(partial, f'{name}_train_{shard_index:06d}.bin'), shard[:shard_fill], dtype)
+        write('train', shard_index, shard[:shard_fill])
     if n_train == 0:
         raise ValueError(f"the corpus has only {n_val:,} tokens in {n_docs_val} documents, all taken by the "
                          f"validation split; lower --val_tokens or add data")
-    write_shard(os.path.join(partial, f'{name}_val_000000.bin'), np.concatenate(val), dtype)
+    write('val', 0, np.concatenate(val))
     meta = dict(name=name, tokenizer=tokenizer, vocab_size=enc.n_vocab, eot_token=enc.eot_token,
                 val_tokens=n_val, val_documents=n_docs_val, train_tokens=n_train, train_documents=n_docs_train,
-                train_duplicates_of_val_dropped=n_dupes, shard_size=shard_size)
+                train_duplicates_of_val_dropped=n_dupes, shard_size=shard_size, shards=dict(sorted(shards.items())))
     with open(os.path.join(partial, 'meta.json'), 'w') as f:
         json.dump(meta, f, indent=2)
     return meta
@@ -265,19 +295,19 @@ def main(argv=None):
     ap.add_argument('--num_proc', type=int, default=max(1, (os.cpu_count() or 2) - 1))
     args = ap.parse_args(argv)
 
-    if args.demo:
-        documents, default_name = demo_documents(), 'demo'
-    elif args.local:
-        documents, default_name = local_documents(args.local, args.text_column, args.sample_by), 'local'
-    else:
-        documents, default_name = fineweb_documents(args.dataset, args.subset), 'fineweb_edu'
     remote = not (args.demo or args.local)
     tokenizer = args.tokenizer or ('byte' if args.demo else 'gpt2')
     max_tokens = args.max_tokens if args.max_tokens is not None else (1_400_000_000 if remote else None)
     val_tokens = args.val_tokens if args.val_tokens is not None else (10_000_000 if remote else 256 * 1024)
-    name = args.name or default_name
+    name = args.name or ('demo' if args.demo else 'local' if args.local else 'fineweb_edu')
     out_dir = os.path.join(args.data_root, name)
     try:
+        if args.demo:
+            documents = demo_documents()
+        elif args.local:
+            documents = local_documents(args.local, args.text_column, args.sample_by)
+        else:
+            documents = fineweb_documents(args.dataset, args.subset)
         meta = prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, args.shard_size, args.num_proc)
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         sys.exit(f"prepare_fineweb.py: error: {e}")

@@ -202,3 +202,97 @@ def test_loader_rejects_batches_that_do_not_fit(tmp_path):
         data.ShardLoader(d, 'train', 4, 2048)
     with pytest.raises(ValueError, match='val split'):
         data.ShardLoader(d, 'val', 40, 10, world_size=2)
+
+
+def test_loader_checks_the_shards_against_meta(tmp_path):
+    prep.prepare(make_docs(80), str(tmp_path / 'd'), 'd', 'byte', None, val_tokens=500, shard_size=1000, num_proc=1)
+    d = tmp_path / 'd'
+    meta = data.load_meta(str(d))
+    assert meta['shards'] == {os.path.basename(p): len(data.read_shard(p)) for p in sorted(d.glob('*.bin'))}
+    assert data.ShardLoader(str(d), 'train', 2, 8, meta=meta).n_windows > 0
+
+    # a token id the dataset's tokenizer does not have (here between its 257 tokens and a padded 320)
+    shard = str(d / 'd_train_000002.bin')
+    tokens = np.array(data.read_shard(shard))
+    tokens[7] = 300
+    data.write_shard(shard, tokens)
+    with pytest.raises(ValueError, match=f"data shard {shard} holds token id 300, outside the dataset's vocabulary of 257"):
+        data.ShardLoader(str(d), 'train', 2, 8, meta=meta)
+    tokens[7] = 5
+    data.write_shard(shard, tokens)
+    # a dataset with a shard missing, e.g. half deleted; also with an older meta.json that lists no shards
+    os.rename(shard, str(tmp_path / 'away.bin'))
+    with pytest.raises(ValueError, match=r"missing \['d_train_000002.bin'\], not listed \[\].*interrupted"):
+        data.ShardLoader(str(d), 'train', 2, 8, meta=meta)
+    old_meta = {k: v for k, v in meta.items() if k != 'shards'}
+    with pytest.raises(ValueError, match=f"hold {meta['train_tokens'] - len(tokens):,} tokens but .*meta.json says"):
+        data.ShardLoader(str(d), 'train', 2, 8, meta=old_meta)
+    # ... or one too many (another dataset's shard in the folder)
+    os.rename(str(tmp_path / 'away.bin'), shard)
+    data.write_shard(str(d / 'd_train_000099.bin'), tokens)
+    with pytest.raises(ValueError, match=r"missing \[\], not listed \['d_train_000099.bin'\]"):
+        data.ShardLoader(str(d), 'train', 2, 8, meta=meta)
+
+    # a corrupt or foreign meta.json names itself
+    (d / 'meta.json').write_text('{"name": "d", ')
+    with pytest.raises(ValueError, match=f"{d}/meta.json is corrupt \\(Expecting"):
+        data.load_meta(str(d))
+    (d / 'meta.json').write_text('[1, 2]')
+    with pytest.raises(ValueError, match=f"{d}/meta.json is not a prepare_fineweb.py meta.json"):
+        data.load_meta(str(d))
+
+
+def test_replacing_a_dataset_is_crash_safe(tmp_path, monkeypatch):
+    """Killed anywhere while a dataset is replaced, data/<name> is the old or the new one complete, or absent."""
+    out = str(tmp_path / 'd')
+    old = prep.prepare(make_docs(40, seed=1), out, 'd', 'byte', None, 300, 1000, 1)
+    docs = make_docs(60, seed=2)
+
+    def complete(meta):
+        assert data.load_meta(out) == meta
+        for split in ('train', 'val'):
+            data.ShardLoader(out, split, 1, 8, meta=meta)
+
+    real_replace, real_rmtree = os.replace, prep.shutil.rmtree
+
+    def killed_at_swap(src, dst):
+        if dst == out:
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+    monkeypatch.setattr(os, 'replace', killed_at_swap)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(docs, out, 'd', 'byte', None, 300, 1000, 1)
+    with pytest.raises(FileNotFoundError, match='no dataset at'):   # absent: train.py says so
+        data.load_meta(out)
+    monkeypatch.setattr(os, 'replace', real_replace)
+    complete_old = prep.prepare(make_docs(40, seed=1), out, 'd', 'byte', None, 300, 1000, 1)
+    assert complete_old == old and not os.path.exists(out + '.old') and not os.path.exists(out + '.partial')
+
+    def killed_deleting_the_old_one(path, **kwargs):
+        if path.endswith('.old') and os.path.exists(path):
+            os.remove(os.path.join(path, 'meta.json'))
+            raise KeyboardInterrupt
+        real_rmtree(path, **kwargs)
+    monkeypatch.setattr(prep.shutil, 'rmtree', killed_deleting_the_old_one)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare(docs, out, 'd', 'byte', None, 300, 1000, 1)
+    complete(json.loads((tmp_path / 'd' / 'meta.json').read_text()))   # the new dataset, whole
+    assert data.load_meta(out)['train_documents'] > old['train_documents']
+
+
+def test_local_files_that_cannot_be_read_are_named(tmp_path):
+    (tmp_path / 'dir').mkdir()
+    (tmp_path / 'empty.jsonl').write_text('')
+    (tmp_path / 'latin1.jsonl').write_bytes(b'{"text": "caf\xe9"}\n')
+    (tmp_path / 'broken.jsonl').write_text('{"text": "a"}\n{"text": \n')
+    (tmp_path / 'latin1.txt').write_bytes(b'caf\xe9\n')
+    expected = {'dir': f"--local {tmp_path}/dir is a directory; pass the files in it (e.g. {tmp_path}/dir/*.jsonl)",
+                'empty.jsonl': f"--local file {tmp_path}/empty.jsonl is empty",
+                'latin1.jsonl': f"--local file {tmp_path}/latin1.jsonl is not readable as json (UnicodeDecodeError: ",
+                'broken.jsonl': f"--local file {tmp_path}/broken.jsonl is not readable as json (ArrowInvalid: ",
+                'latin1.txt': f"--local file {tmp_path}/latin1.txt is not readable as text (UnicodeDecodeError: "}
+    for name, message in expected.items():
+        with pytest.raises(SystemExit) as e:
+            prep.main(['--local', str(tmp_path / name), '--tokenizer=byte', f'--data_root={tmp_path}', '--num_proc=1'])
+        assert str(e.value).startswith(f"prepare_fineweb.py: error: {message}"), str(e.value)
+    assert not (tmp_path / 'local').exists()
