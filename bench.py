@@ -25,11 +25,13 @@ hold on a noisy machine. Columns:
 
 import contextlib
 import json as jsonlib
+import os
 import statistics
 import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from model import GPT, GPTConfig, RESIDUAL_MODES
 
@@ -63,7 +65,7 @@ _config_file_extras_ok = True   # train.py's config files also set out_dir, data
 # a bare --json means --json=True; configurator.py prints its overrides, which must not spoil --json output
 sys.argv = [('--json=True' if a == '--json' else a) for a in sys.argv]
 with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sys.argv) else sys.stdout):
-    exec(open('configurator.py').read())
+    exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
 # dense BF16 tensor-core peak FLOP/s (vendor data sheets), first matching substring of the device name wins
@@ -130,7 +132,8 @@ def main():
     y = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
 
     rows = {}
-    for mode, rt in runs:
+    # progress on stderr (stdout holds the table or the JSON): building, compiling and warming up takes minutes on a GPU
+    for mode, rt in tqdm(runs, desc=f"{'compile + ' if compile else ''}warm up", unit='model'):
         cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                         n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim,
                         intermediate_size=intermediate_size, residual=mode, n_blocks=n_blocks, variant=variant)
@@ -155,7 +158,7 @@ def main():
                                 step=step, model=model, optimizer=optimizer, times=[], peak_bytes=None,
                                 flops_per_token=model.flops_per_token(block_size))
 
-    for _ in range(repeats):                      # interleaved: A B C A B C ...
+    for _ in tqdm(range(repeats), desc=f'timed rounds of {len(rows)} models', unit='round'):  # interleaved: A B C A B C ...
         for row in rows.values():
             peak_base = None
             if device_type == 'cuda':

@@ -1,6 +1,7 @@
 """
 Poor Man's Configurator (nanoGPT's, made strict). Run from a training script as
-    exec(open('configurator.py').read())
+    exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())
+(next to the script, so that `python path/to/train.py` works from any directory)
 after it has defined its settings as plain globals (int, float, bool, str or None). Then
     python train.py config/delta_block_220m.py --batch_size=32 --compile=False
 first executes config/delta_block_220m.py, then applies each --key=value in order. Both paths only
@@ -29,6 +30,18 @@ def _check_setting(key, value, known, source):
                          f"(like its default {default!r}), got {type(value).__name__} {value!r}")
     return float(value) if type(default) is float else value
 
+
+# Run as a script: a ValueError or FileNotFoundError that reaches the top while the script reads its settings and
+# opens its files is a mistake the user can fix, and its message names it: print that one line instead of a
+# traceback through this exec. The script puts sys.__excepthook__ back where its real work starts, so that a
+# bug there keeps its traceback.
+if globals().get('__name__') == '__main__':
+    def _one_line_errors(kind, e, tb):
+        if issubclass(kind, (ValueError, FileNotFoundError)):
+            print('\n'.join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
+        else:
+            sys.__excepthook__(kind, e, tb)
+    sys.excepthook = _one_line_errors
 
 _known = {k: v for k, v in globals().items()
           if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}

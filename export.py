@@ -34,7 +34,10 @@ def main(argv=None):
     ap.add_argument('dest', help='directory to write')
     ap.add_argument('--dtype', choices=['float32', 'bfloat16'], help='default: as trained (float32 master weights)')
     args = ap.parse_args(argv)
-    model = export(args.ckpt, args.dest, getattr(torch, args.dtype) if args.dtype else None)
+    try:
+        model = export(args.ckpt, args.dest, getattr(torch, args.dtype) if args.dtype else None)
+    except (ValueError, FileNotFoundError) as e:  # a bad or missing checkpoint: its one-line message
+        raise SystemExit(f"export.py: error: {e}") from None
     print(f"wrote {args.dest}: {model.config.residual}, {model.get_num_params() / 1e6:.2f}M parameters")
 
 

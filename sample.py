@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from data import read_checkpoint
 from model import GPT, GPTConfig, KVCache, RESIDUAL_MODES
 from prepare_fineweb import get_tokenizer
 
@@ -48,7 +49,7 @@ def load_model(init_from, out_dir='out', residual=None, n_blocks=None):
         path = os.path.join(out_dir, 'ckpt.pt')
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no checkpoint {path}; train one with train.py or pass --init_from=<checkpoint dir>")
-        ckpt = torch.load(path, map_location='cpu', weights_only=False)
+        ckpt = read_checkpoint(path)  # a cut-short or corrupt file: an error naming it and what to do
         cfg = GPTConfig(**ckpt['model_config'])
         changed = {k: v for k, v in overrides.items() if getattr(cfg, k) != v}
         if changed:
@@ -95,7 +96,16 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, n_vocab=None,
 
 
 if __name__ == '__main__':
-    exec(open('configurator.py').read())  # overrides from the command line or a config file
+    exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())  # overrides: command line, config file
+    expected = {  # setting: (holds?, what is expected); all checked before the model is loaded
+        'temperature': (temperature >= 0, '>= 0 (0: greedy, always the most likely token)'),
+        'top_k': (top_k >= 0, '>= 0 (0: all tokens)'),
+        'num_samples': (num_samples >= 1, '>= 1'),
+        'max_new_tokens': (max_new_tokens >= 1, '>= 1'),
+        'dtype': (dtype in ('float32', 'bfloat16', 'float16'), "'float32', 'bfloat16' or 'float16'"),
+    }
+    if problems := [f"{k}={globals()[k]!r}: expected {what}" for k, (ok, what) in expected.items() if not ok]:
+        raise ValueError('\n'.join(problems))  # one line each (configurator.py's error hook)
     torch.manual_seed(seed)
     model, recorded_tokenizer = load_model(init_from, out_dir, residual, n_blocks)
     tokenizer = tokenizer or recorded_tokenizer

@@ -34,15 +34,17 @@ def corpus(tmp_path_factory):
     return root
 
 
-def train(corpus, out_dir, *args, torchrun=False, wrapper=None, check=True):
-    """Run train.py as a user would (a fresh process) and return (completed process, log records)."""
+def train(corpus, out_dir, *args, torchrun=False, wrapper=None, check=True, cwd=REPO):
+    """Run train.py as a user would (a fresh process) and return (completed process, log records).
+    From another cwd than the repository's, train.py and the config file are given by their full paths."""
     cmd = [sys.executable]
     if torchrun:
         cmd += ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
-    cmd += [str(wrapper), str(out_dir)] if wrapper else ['train.py']
-    cmd += TINY + ['--dataset=tiny', f'--data_root={corpus}', f'--out_dir={out_dir}', *args]
+    cmd += [str(wrapper), str(out_dir)] if wrapper else [str(Path(os.path.relpath(REPO, cwd)) / 'train.py')]
+    cmd += [str(REPO / TINY[0]) if cwd != REPO else TINY[0]] + TINY[1:]
+    cmd += ['--dataset=tiny', f'--data_root={corpus}', f'--out_dir={out_dir}', *args]
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
     if check:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     log = Path(out_dir) / 'log.jsonl'
@@ -169,10 +171,128 @@ def test_ddp_and_fsdp_two_processes_match_one(corpus, tmp_path):
         assert losses(fsdp)[step] == pytest.approx(loss, rel=1e-5)
 
 
-def test_train_rejects_an_unknown_residual_mode(corpus, tmp_path):
+def test_settings_are_checked_before_any_work(corpus, tmp_path):
     # (bad data, batches that do not fit the data and bad config keys: test_data.py and below)
-    p, _ = train(corpus, tmp_path, '--residual=delta', check=False)
-    assert p.returncode != 0 and "residual='delta' is not a residual mode" in p.stderr
+    # every bad setting is named with its value and what it must be, one line each, before anything is written
+    bad = {'residual': "'delta'", 'batch_size': '0', 'block_size': '0', 'eval_interval': '0', 'log_interval': '0',
+           'eval_iters': '0', 'max_iters': '-1', 'gradient_accumulation_steps': '0', 'warmup_iters': '10',
+           'lr_decay_iters': '10', 'divergence_factor': '1', 'ddp_timeout_s': '0'}
+    p, _ = train(corpus, tmp_path / 'out', *[f'--{k}={v.strip(chr(39))}' for k, v in bad.items()], check=False)
+    lines = p.stderr.splitlines()
+    assert p.returncode == 1 and 'Traceback' not in p.stderr and not (tmp_path / 'out').exists()
+    assert lines == [l for l in lines if l.startswith('error: ')] and len(lines) == len(bad) - 1  # lr_decay_iters: with warmup
+    assert "error: residual='delta': expected one of standard, full_attnres" in p.stderr
+    for k in ('batch_size', 'block_size', 'eval_interval', 'log_interval', 'eval_iters'):
+        assert f'error: {k}=0: expected >= 1' in lines
+    assert 'error: max_iters=-1: expected >= 0' in lines
+    assert 'error: warmup_iters=10: expected >= 0 and < lr_decay_iters=10 (decay_lr=True)' in lines
+    assert ('error: gradient_accumulation_steps=0: expected >= 1 and divisible by the number of processes, 1 '
+            '(it counts micro-batches over all processes)') in lines
+    assert 'error: divergence_factor=1.0: expected > 1, or 0 to stop only on non-finite losses' in lines
+    # sample.py checks its settings before it loads a model (there is none here)
+    p = subprocess.run([sys.executable, 'sample.py', '--temperature=-0.5', '--top_k=-1', '--num_samples=0',
+                        '--max_new_tokens=0', f'--out_dir={tmp_path}'], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.splitlines() == [
+        'error: temperature=-0.5: expected >= 0 (0: greedy, always the most likely token)',
+        'error: top_k=-1: expected >= 0 (0: all tokens)', 'error: num_samples=0: expected >= 1',
+        'error: max_new_tokens=0: expected >= 1']
+
+
+def sha(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def test_runs_never_overwrite_a_good_checkpoint(corpus, tmp_path):
+    out, common = tmp_path / 'run', ['--max_iters=4', '--eval_interval=2', '--lr_decay_iters=4']
+    # run from another directory: train.py finds configurator.py next to itself; says where checkpoints go
+    p, _ = train(corpus, out, *common, cwd=tmp_path)
+    assert f'step 2: saved {out}/ckpt.pt and {out}/best.pt (best val loss so far)' in p.stdout
+    assert f'step 4: saved {out}/ckpt.pt and {out}/best.pt (best val loss so far)' in p.stdout
+    assert os.path.samefile(out / 'ckpt.pt', out / 'best.pt')   # a hard link: no second copy on disk
+    good = {f: sha(out / f) for f in ('ckpt.pt', 'best.pt', 'log.jsonl')}
+    best_val = val_losses(json.loads(line) for line in (out / 'log.jsonl').read_text().splitlines())[4]
+
+    # a new run in the same out_dir is refused, with the ways on; nothing is touched
+    p, _ = train(corpus, out, *common, check=False)
+    assert p.returncode == 1 and p.stderr == (
+        f"error: out_dir={str(out)!r} holds the checkpoint {out}/ckpt.pt of an earlier run; continue it with "
+        f"--init_from=resume, replace it with --overwrite=True, or choose another --out_dir\n")
+
+    # divergence: at lr=3 the train loss explodes (finite); at lr=30 the val loss passes exp's range (ppl inf).
+    # Both stop the run before a checkpoint is written.
+    resume = ['--init_from=resume', '--max_iters=40', '--lr_decay_iters=40']
+    p, records = train(corpus, out, *resume, '--eval_interval=20', '--learning_rate=3', '--min_lr=0.3', check=False)
+    assert p.returncode == 1 and 'Traceback' not in p.stderr
+    last = records[-1]
+    assert last['loss'] > 2 * best_val and 'val_loss' not in last    # stopped at the first logged blow-up
+    assert (f"step {last['step']}: train loss {last['loss']:.4g} is over divergence_factor=2.0 x the best val loss "
+            f"{best_val:.4f}: the run diverged; stopped. The checkpoints are untouched: {out}/ckpt.pt (step 4) and "
+            f"{out}/best.pt (step 4, val loss {best_val:.4f})") in p.stderr
+    p, records = train(corpus, out, *resume, '--eval_interval=10', '--learning_rate=30', '--min_lr=3',
+                       '--log_interval=100', check=False)
+    assert p.returncode == 1 and records[-1]['step'] == 10 and records[-1]['val_loss'] > 709
+    assert records[-1]['val_ppl'] == math.inf and 'val ppl inf' in p.stdout
+    assert 'step 10: val loss' in p.stderr and 'is over divergence_factor=2.0' in p.stderr
+    assert {f: sha(out / f) for f in ('ckpt.pt', 'best.pt')} == {f: good[f] for f in ('ckpt.pt', 'best.pt')}
+
+    # resuming on another dataset (here: another tokenizer's meta) is refused, naming what differs
+    other = tmp_path / 'data'
+    shutil.copytree(Path(corpus) / 'tiny', other / 'tiny')
+    meta = json.loads((other / 'tiny' / 'meta.json').read_text())
+    (other / 'tiny' / 'meta.json').write_text(json.dumps({**meta, 'tokenizer': 'mine.json'}))
+    p, _ = train(corpus, out, *resume, f'--data_root={other}', check=False)
+    assert p.returncode == 1 and p.stderr == (
+        f"error: {out}/ckpt.pt was trained on another dataset than {other}/tiny (checkpoint, now): "
+        f"{{'tokenizer': ('byte', 'mine.json')}}; resume with its --data_root/--dataset, or start a new run in another "
+        f"--out_dir\n")
+
+    # a cut-short ckpt.pt: the message names it and the way on (best.pt); a zero-byte one for sample.py's loader
+    (out / 'ckpt.pt').unlink()
+    (out / 'ckpt.pt').write_bytes((out / 'best.pt').read_bytes()[:5000])
+    p, _ = train(corpus, out, *resume, check=False)
+    assert p.returncode == 1 and p.stderr == (
+        f"error: checkpoint {out}/ckpt.pt is truncated or corrupt (5,000 bytes): its write did not finish (a crash or "
+        f"a full disk?); use the best-validation checkpoint instead (e.g. copy {out}/best.pt to {out}/ckpt.pt) or start "
+        f"a new run\n")
+    (out / 'ckpt.pt').write_bytes(b'')
+    import sample
+    with pytest.raises(ValueError, match=f'checkpoint {out}/ckpt.pt is empty \\(0 bytes\\).*copy {out}/best.pt'):
+        sample.load_model('resume', str(out))
+
+    # --overwrite=True: a new run replaces the old one's checkpoints and log
+    p, records = train(corpus, out, '--max_iters=2', '--eval_interval=2', '--lr_decay_iters=3', '--overwrite=True')
+    assert sorted(val_losses(records)) == [0, 2] and sha(out / 'best.pt') != good['best.pt']
+    assert torch.load(out / 'ckpt.pt', weights_only=False)['best_ckpt'] == (2, val_losses(records)[2])
+
+
+# Runs train.py inside torchrun; rank 1 stops answering at its third step (a frozen process).
+FROZEN_RANK = """
+import os, runpy, sys, time
+sys.path.insert(0, os.getcwd())
+import data
+calls, real = [], data.ShardLoader.train_batches
+def train_batches(self):
+    calls.append(1)
+    if os.environ['RANK'] == '1' and len(calls) == 3:
+        time.sleep(600)
+    return real(self)
+data.ShardLoader.train_batches = train_batches
+sys.argv = ['train.py'] + sys.argv[2:]
+runpy.run_path('train.py', run_name='__main__')
+"""
+
+
+def test_a_frozen_rank_ends_the_job_after_ddp_timeout_s(corpus, tmp_path):
+    import time
+    wrapper = tmp_path / 'frozen.py'
+    wrapper.write_text(FROZEN_RANK)
+    t0 = time.time()
+    p, records = train(corpus, tmp_path / 'out', '--max_iters=10', '--eval_interval=5', '--lr_decay_iters=10',
+                       '--gradient_accumulation_steps=2', '--ddp_timeout_s=3', torchrun=True, wrapper=wrapper,
+                       check=False)
+    assert p.returncode != 0 and time.time() - t0 < 120      # not the 600 s that rank 1 sleeps
+    assert max(losses(records)) == 2                          # rank 0 waited at step 3 ...
+    assert 'Timed out waiting 3000ms' in p.stderr             # ... for ddp_timeout_s, then gave up
 
 
 def train_defaults():

@@ -8,6 +8,8 @@ With DDP on the 8 GPUs of one node (the paper's runs):
 Across nodes, e.g. 2 nodes of 8 (run on each, with this node's --node_rank):
     torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST --master_port=29500 train.py config/...
 Continue a run from its last checkpoint (out_dir/ckpt.pt): the same command plus --init_from=resume.
+A new run refuses an out_dir that holds a checkpoint (--overwrite=True replaces it); out_dir/best.pt keeps the
+checkpoint of the best validation loss, and a run that diverges stops before it can overwrite anything.
 Fine-tune a pretrained Qwen3 (a local Hugging Face directory) converted to any residual mode:
     torchrun --standalone --nproc_per_node=4 train.py config/finetune_qwen3_0.6b_delta_block.py
 
@@ -18,10 +20,12 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -29,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import ShardLoader, load_meta
+from data import ShardLoader, load_meta, read_checkpoint
 from model import GPT, GPTConfig, RESIDUAL_MODES
 
 # -----------------------------------------------------------------------------
@@ -41,6 +45,9 @@ log_interval = 10
 eval_iters = 64             # val batches per evaluation, over all processes (fewer if the val split is smaller)
 eval_only = False           # evaluate once (e.g. with init_from='resume') and exit
 init_from = 'scratch'       # 'scratch', 'resume' (from out_dir/ckpt.pt) or a local Qwen3 checkpoint directory
+overwrite = False           # a new run in an out_dir that holds a checkpoint: replace it (False: refuse to start)
+divergence_factor = 2.0     # stop when a val loss or a logged train loss exceeds this x the best val loss so far
+                            # (before it can reach a checkpoint); 0 = only non-finite losses stop the run
 wandb_log = False           # W&B is optional: only imported when this is on
 wandb_project = 'delta-attnres'
 wandb_run_name = 'run'
@@ -89,43 +96,75 @@ fsdp = False                # shard parameters, gradients and optimizer state (F
 activation_checkpointing = False  # recompute attention and MLP activations in the backward pass
 peak_flops = 989e12         # per-GPU peak for MFU: H100 BF16 dense
 seed = 1337
+ddp_timeout_s = 1800        # DDP/FSDP: a rank that waits this long on the others (one froze or died) ends the job
+                            # with an error instead of hanging; long enough for rank 0 to write an 8B checkpoint
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
-exec(open('configurator.py').read())  # overrides from the command line or a config file
+exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())  # overrides: command line, config file
 config = {k: globals()[k] for k in config_keys}  # the full config, logged and saved in checkpoints
 # -----------------------------------------------------------------------------
 
-# check the settings that would otherwise fail late, after data loading or process-group setup
-if residual not in RESIDUAL_MODES:
-    raise ValueError(f"residual={residual!r} is not a residual mode; choose one of {', '.join(RESIDUAL_MODES)}")
-if init_from not in ('scratch', 'resume') and not os.path.isdir(init_from):
-    raise ValueError(f"init_from={init_from!r}: expected 'scratch', 'resume' or a local Qwen3 checkpoint directory")
-if freeze_base and residual == 'standard':
-    raise ValueError("freeze_base=True leaves nothing to train: the 'standard' mode has no routing parameters")
-if dtype not in ('float32', 'bfloat16'):
-    raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16' (float16 would need loss scaling)")
-
-# processes: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them this is a single process
+# Check every setting before any work (the model's shape: GPTConfig, below); all problems at once, one line each.
+# torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them this is a single process.
 ddp = 'RANK' in os.environ
+world_size = int(os.environ.get('WORLD_SIZE', 1))
+number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+expected = {  # setting: (holds?, what is expected)
+    'residual': (residual in RESIDUAL_MODES, f"one of {', '.join(RESIDUAL_MODES)}"),
+    'init_from': (init_from in ('scratch', 'resume') or os.path.isdir(init_from),
+                  "'scratch', 'resume' or a local Qwen3 checkpoint directory"),
+    'freeze_base': (not (freeze_base and residual == 'standard'),
+                    "False with residual='standard', which has no routing parameters to train"),
+    'dtype': (dtype in ('float32', 'bfloat16'), "'float32' or 'bfloat16' (float16 would need loss scaling)"),
+    'fsdp': (not fsdp or ddp, "False without torchrun: FSDP shards the model over processes"),
+    'gradient_accumulation_steps': (gradient_accumulation_steps >= 1 and gradient_accumulation_steps % world_size == 0,
+                                    f">= 1 and divisible by the number of processes, {world_size} (it counts "
+                                    f"micro-batches over all processes)"),
+    **{k: (globals()[k] >= 1, '>= 1') for k in ('batch_size', 'block_size', 'eval_interval', 'log_interval', 'eval_iters')},
+    'max_iters': (max_iters >= 0, '>= 0'),
+    'vocab_size': (vocab_size is None or (isinstance(vocab_size, int) and vocab_size >= 1),
+                   "None (the dataset's) or an int >= 1"),
+    'learning_rate': (learning_rate > 0, '> 0'),
+    'routing_learning_rate': (routing_learning_rate is None or (number(routing_learning_rate) and routing_learning_rate > 0),
+                              'None (learning_rate) or a number > 0'),
+    'min_lr': (0 <= min_lr <= learning_rate, f'between 0 and learning_rate={learning_rate}'),
+    'warmup_iters': (warmup_iters >= 0 and (not decay_lr or warmup_iters < lr_decay_iters),
+                     f'>= 0 and < lr_decay_iters={lr_decay_iters}' + (' (decay_lr=True)' if decay_lr else '')),
+    'weight_decay': (weight_decay >= 0, '>= 0'),
+    'beta1': (0 <= beta1 < 1, 'in [0, 1)'),
+    'beta2': (0 <= beta2 < 1, 'in [0, 1)'),
+    'grad_clip': (grad_clip >= 0, '>= 0 (0: no clipping)'),
+    'divergence_factor': (divergence_factor == 0 or divergence_factor > 1, '> 1, or 0 to stop only on non-finite losses'),
+    'ddp_timeout_s': (ddp_timeout_s > 0, '> 0 seconds'),
+    'peak_flops': (peak_flops > 0, '> 0 FLOP/s'),
+}
+if problems := [f"{k}={globals()[k]!r}: expected {what}" for k, (ok, what) in expected.items() if not ok]:
+    raise ValueError('\n'.join(problems))
+# one out_dir, one run: only a resume continues what is there (the log would be deleted, the checkpoint overwritten)
+ckpt_path, best_path = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'best.pt')
+if init_from != 'resume' and not overwrite and (held := [p for p in (ckpt_path, best_path) if os.path.exists(p)]):
+    raise ValueError(f"out_dir={out_dir!r} holds the checkpoint {held[0]} of an earlier run; continue it with "
+                     f"--init_from=resume, replace it with --overwrite=True, or choose another --out_dir")
+
 if ddp:
-    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo',
+                            timeout=timedelta(seconds=ddp_timeout_s))
     rank, local_rank, world_size = dist.get_rank(), int(os.environ['LOCAL_RANK']), dist.get_world_size()
     if device.startswith('cuda'):
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
 else:
     rank, local_rank, world_size = 0, 0, 1
-if fsdp and not ddp:
-    raise ValueError("fsdp=True shards the model over processes: launch with torchrun")
 master = rank == 0
-if gradient_accumulation_steps % world_size:
-    raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} (summed over processes) must be "
-                     f"divisible by the number of processes, {world_size}")
 accum = gradient_accumulation_steps // world_size  # micro-batches per process per step
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 if master:
     os.makedirs(out_dir, exist_ok=True)
+    if init_from != 'resume':  # (overwrite=True, or there was nothing to overwrite)
+        for p in (ckpt_path, best_path):
+            if os.path.exists(p):
+                os.remove(p)
     parallel = 'FSDP2' if fsdp else 'DDP' if ddp else 'no data parallelism'
     print(f"{world_size} process(es) x {accum} micro-batches x {batch_size} x {block_size} = "
           f"{tokens_per_iter:,} tokens per step ({parallel}{', activation checkpointing' if activation_checkpointing else ''})")
@@ -137,14 +176,13 @@ if device_type == 'cuda':
     torch.set_float32_matmul_precision('high')  # TF32 for the fp32 matmuls that autocast leaves
 autocast = nullcontext() if dtype == 'float32' else torch.autocast(device_type, dtype=torch.bfloat16)
 
-# data
+# data: checked against its meta.json as it is opened (data.py)
 data_dir = os.path.join(data_root, dataset)
 meta = load_meta(data_dir)
-train_loader = ShardLoader(data_dir, 'train', batch_size, block_size, rank, world_size, accum, seed)
-val_loader = ShardLoader(data_dir, 'val', batch_size, block_size, rank, world_size)
+train_loader = ShardLoader(data_dir, 'train', batch_size, block_size, rank, world_size, accum, seed, meta=meta)
+val_loader = ShardLoader(data_dir, 'val', batch_size, block_size, rank, world_size, meta=meta)
 
 # model
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 if vocab_size is None:
     vocab_size = math.ceil(meta['vocab_size'] / 64) * 64  # padded: faster matmuls; the extra rows are never targets
 elif vocab_size < meta['vocab_size']:
@@ -164,9 +202,13 @@ if init_from == 'resume':
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"init_from='resume' but there is no checkpoint {ckpt_path}")
     # mmap: with many processes on a node the file is read once into the page cache, not once per process
-    ckpt = torch.load(ckpt_path, map_location='cpu', mmap=True, weights_only=False)
+    ckpt = read_checkpoint(ckpt_path, mmap=True)
     if diff := config_diff(ckpt['model_config']):
         raise ValueError(f"the checkpoint's model differs from this config (checkpoint, now): {diff}")
+    # the same data: the saved data position indexes this dataset's windows, and the tokens mean this tokenizer's
+    if diff := {k: (v, meta.get(k)) for k, v in ckpt['meta'].items() if k != 'shards' and meta.get(k) != v}:
+        raise ValueError(f"{ckpt_path} was trained on another dataset than {data_dir} (checkpoint, now): {diff}; "
+                         f"resume with its --data_root/--dataset, or start a new run in another --out_dir")
 if init_from in ('scratch', 'resume'):
     with torch.device(device):  # build directly on the GPU: no CPU copy of an 8B model per process
         model = GPT(model_config)
@@ -207,11 +249,14 @@ routing_lr_scale = 1.0 if routing_learning_rate is None else routing_learning_ra
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type, routing_lr_scale)
 
 iter_num = 0
+best_val_loss = None   # the lowest val loss so far: the reference for divergence_factor
+best_ckpt = None       # (step, val loss) of best.pt
 if ckpt is not None:
     # full (unsharded) state dicts: the same file works for DDP, FSDP and a single process
     set_state_dict(raw_model, optimizer, model_state_dict=ckpt['model'], optim_state_dict=ckpt['optimizer'],
                    options=StateDictOptions(full_state_dict=True))
     iter_num, train_loader.pos = ckpt['iter_num'], ckpt['data_pos']
+    best_val_loss, best_ckpt = ckpt.get('best_val_loss'), ckpt.get('best_ckpt')  # (older checkpoints: None)
     torch.set_rng_state(ckpt['rng']['torch'])
     if device_type == 'cuda' and ckpt['rng']['cuda'] is not None:
         torch.cuda.set_rng_state(ckpt['rng']['cuda'])
@@ -298,22 +343,60 @@ def routing_summary(stats):
             f" entropy {np.mean(ent):.2f} [{min(ent):.2f}, {max(ent):.2f}]")
 
 
-def save_checkpoint():
+def save_checkpoint(val_loss):
+    """Write ckpt.pt (what a resume continues); if val_loss is the lowest so far, best.pt becomes the same file."""
+    global best_ckpt
+    if is_best := best_ckpt is None or val_loss < best_ckpt[1]:
+        best_ckpt = (iter_num, val_loss)
     # every process takes part in gathering the full state (FSDP), only rank 0 receives and writes it
     msd, osd = get_state_dict(raw_model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if master:
         ckpt = dict(model=msd, optimizer=osd, model_config=asdict(model_config), config=config, meta=meta,
-                    iter_num=iter_num, data_pos=train_loader.pos,
+                    iter_num=iter_num, data_pos=train_loader.pos, best_val_loss=best_val_loss, best_ckpt=best_ckpt,
                     rng=dict(torch=torch.get_rng_state(),
                              cuda=torch.cuda.get_rng_state() if device_type == 'cuda' else None))
         torch.save(ckpt, ckpt_path + '.tmp')
         os.replace(ckpt_path + '.tmp', ckpt_path)  # atomic: a crash mid-write keeps the previous checkpoint
+        if is_best:  # a hard link: no second copy on disk until ckpt.pt moves on (a copy where links fail)
+            try:
+                os.link(ckpt_path, best_path + '.tmp')
+            except OSError:
+                shutil.copyfile(ckpt_path, best_path + '.tmp')
+            os.replace(best_path + '.tmp', best_path)
+        print(f"step {iter_num}: saved {ckpt_path}" + (f" and {best_path} (best val loss so far)" if is_best else
+                                                       f" ({best_path}: step {best_ckpt[0]}, val loss {best_ckpt[1]:.4f})"))
     return iter_num
+
+
+def stop(msg):
+    """End every process; rank 0 says why. The checkpoints on disk are the last good ones."""
+    if ddp:
+        dist.destroy_process_group()
+    raise SystemExit(msg if master else 1)
+
+
+def diverged(loss, what):
+    """-> a message if `loss` is not finite or is past divergence_factor x the best val loss so far, else None.
+    The same decision on every rank: the losses it sees are all-reduced."""
+    if math.isfinite(loss) and not (divergence_factor and best_val_loss is not None and loss > divergence_factor * best_val_loss):
+        return None
+    kept = ("No checkpoint was written yet." if last_ckpt is None else
+            f"The checkpoints are untouched: {ckpt_path} (step {last_ckpt})"
+            + (f" and {best_path} (step {best_ckpt[0]}, val loss {best_ckpt[1]:.4f})" if best_ckpt else "")
+            + "; resume the latest with --init_from=resume and e.g. a lower learning_rate.")
+    return (f"step {iter_num}: {what} {loss:.4g} " + ("is not finite" if not math.isfinite(loss) else
+            f"is over divergence_factor={divergence_factor} x the best val loss {best_val_loss:.4f}")
+            + f": the run diverged; stopped. {kept}")
+
+
+def ppl(loss):
+    return math.exp(loss) if loss < 700 else float('inf')  # math.exp overflows past ~709.78
 
 
 # -----------------------------------------------------------------------------
 # training loop. iter_num counts optimizer steps taken; "step k" is the k-th one.
 last_ckpt = start_iter if init_from == 'resume' else None
+sys.excepthook = sys.__excepthook__  # setup is done: from here on, errors keep their traceback (see configurator.py)
 t0, steps_timed = time.time(), 0
 if device_type == 'cuda':
     torch.cuda.reset_peak_memory_stats()
@@ -322,11 +405,14 @@ while True:
             not (iter_num == start_iter and init_from == 'resume' and not eval_only):
         val_loss, val_tokens = evaluate()
         if master:
-            print(f"step {iter_num}: val loss {val_loss:.4f} | val ppl {math.exp(val_loss):.2f} "
+            print(f"step {iter_num}: val loss {val_loss:.4f} | val ppl {ppl(val_loss):.2f} "
                   f"({val_tokens:,} held-out tokens)")
-        log(dict(step=iter_num, val_loss=val_loss, val_ppl=math.exp(val_loss), val_tokens=val_tokens))
+        log(dict(step=iter_num, val_loss=val_loss, val_ppl=ppl(val_loss), val_tokens=val_tokens))
+        if msg := diverged(val_loss, 'val loss'):
+            stop(msg)
+        best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
         if iter_num > start_iter:
-            last_ckpt = save_checkpoint()
+            last_ckpt = save_checkpoint(val_loss)
         t0, steps_timed = time.time(), 0  # don't count evaluation time as training time
     if iter_num >= max_iters or eval_only:
         break
@@ -359,14 +445,11 @@ while True:
     if ddp:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
-        msg = (f"step {iter_num + 1}: non-finite loss ({loss_sum.item()}) or gradient norm ({grad_norm.item()}); "
-               f"stopped without updating the weights. "
-               + (f"The last good checkpoint, {ckpt_path} (step {last_ckpt}), is untouched: resume from it with "
-                  f"--init_from=resume and e.g. a lower learning_rate." if last_ckpt is not None else
-                  "No checkpoint was written yet."))
-        if ddp:
-            dist.destroy_process_group()
-        raise SystemExit(msg if master else 1)
+        stop(f"step {iter_num + 1}: non-finite loss ({loss_sum.item()}) or gradient norm ({grad_norm.item()}); "
+             f"stopped without updating the weights. "
+             + (f"The last good checkpoint, {ckpt_path} (step {last_ckpt}), is untouched: resume from it with "
+                f"--init_from=resume and e.g. a lower learning_rate." if last_ckpt is not None else
+                "No checkpoint was written yet."))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
@@ -392,6 +475,8 @@ while True:
                   f"mem {mem:.2f} GiB{routing_summary(routing)}")
             log(dict(step=iter_num, loss=lossf, lr=lr, grad_norm=grad_norm.item(), tok_per_s=tok_s, mfu=mfu,
                      mem_gib=mem, routing=routing))
+        if msg := diverged(lossf, 'train loss'):
+            stop(msg)
 
 if ddp:
     dist.destroy_process_group()
