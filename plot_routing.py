@@ -24,21 +24,22 @@ import torch
 
 
 def stats_from_log(path):
-    """{site: {'max_weight', 'weights'}} of the last record of a train.py log.jsonl that has routing."""
+    """{site: {'max_weight', 'weights'}} of the last record of a train.py log.jsonl that has routing
+    ({} for a 'standard' run, which logs an empty routing)."""
     last = None
     with open(path) as f:
         for line in f:
             record = json.loads(line)
-            if record.get('routing'):
+            if 'routing' in record:
                 last = record
     if last is None:
-        raise ValueError(f"{path} has no routing records (a 'standard' run, or no step logged yet)")
+        raise ValueError(f"{path} has no routing records (no training step logged yet)")
     return last['routing'], f"step {last['step']}"
 
 
 @torch.no_grad()
 def stats_from_model(model, batches):
-    """Token-weighted mean of routing_stats over the batches: {site: {'max_weight', 'weights'}}."""
+    """Token-weighted mean of routing_stats over the batches: {site: {'max_weight', 'weights'}} ({}: 'standard')."""
     model.eval()
     total, n = {}, 0
     for x in batches:
@@ -48,8 +49,6 @@ def stats_from_model(model, batches):
             acc['max_weight'] += s['max_weight'].item() * x.numel()
             acc['weights'] += s['weights'].double().numpy() * x.numel()
         n += x.numel()
-    if not total:
-        raise ValueError(f"a {model.config.residual!r} model has no routing to plot")
     return {site: {'max_weight': a['max_weight'] / n, 'weights': (a['weights'] / n).tolist()}
             for site, a in total.items()}
 
@@ -148,7 +147,15 @@ def main(argv=None):
         import matplotlib  # noqa: F401
     except ImportError:
         raise SystemExit("plot_routing.py needs matplotlib: pip install matplotlib") from None
-    runs = [load_stats(s, args.data_dir, args.batches, args.batch_size, args.block_size, args.residual) for s in args.sources]
+    runs = []
+    for source in args.sources:
+        label, stats = load_stats(source, args.data_dir, args.batches, args.batch_size, args.block_size, args.residual)
+        if stats:
+            runs.append((label, stats))
+        else:  # a 'standard' run next to routed ones: the others are still worth a figure
+            print(f"skipping {source}: {label.split()[0]} has no routing to plot")
+    if not runs:
+        raise SystemExit("plot_routing.py: nothing to plot, no source has routing (all 'standard' runs?)")
     written = [f'{args.out}_max_weight.png']
     plot_max_weight(runs, written[0])
     for i, (label, stats) in enumerate(runs):
@@ -156,7 +163,7 @@ def main(argv=None):
         plot_heatmap(label, stats, written[-1])
         mw = [stats[s]['max_weight'] for s in sublayer_sites(stats)[1:]]
         print(f"{label}: mean max weight {np.mean(mw):.3f} over {len(mw)} sublayers (min {min(mw):.3f}, max {max(mw):.3f})")
-    print('wrote ' + ', '.join(written))
+    print('wrote ' + ', '.join(os.path.abspath(p) for p in written))
 
 
 if __name__ == '__main__':

@@ -328,16 +328,20 @@ def trained_runs(tmp_path_factory):
     return root, runs
 
 
-def test_plot_routing(trained_runs, capsys):
+def test_plot_routing(trained_runs, capsys, monkeypatch):
     pytest.importorskip('matplotlib')
     import matplotlib.image
     import plot_routing
     root, runs = trained_runs
-    prefix = str(root / 'fig')
-    plot_routing.main([str(runs['attnres'] / 'ckpt.pt'), str(runs['delta_block'] / 'ckpt.pt'),
-                       '--data_dir', str(root / 'data' / 'src'), '--block_size=64', '--out', prefix])
+    (root / 'out-standard').mkdir(exist_ok=True)     # a standard run's log: its routing is empty, it is skipped
+    (root / 'out-standard' / 'log.jsonl').write_text(json.dumps(dict(step=25, loss=1.0, routing={})) + '\n')
+    monkeypatch.chdir(root)
+    plot_routing.main([str(runs['attnres'] / 'ckpt.pt'), 'out-standard/log.jsonl', str(runs['delta_block'] / 'ckpt.pt'),
+                       '--data_dir', str(root / 'data' / 'src'), '--block_size=64', '--out', 'fig'])
     printed = capsys.readouterr().out
     assert 'attnres: mean max weight' in printed and 'delta_block: mean max weight' in printed
+    assert 'skipping out-standard/log.jsonl: out-standard has no routing to plot' in printed
+    assert f"wrote {root / 'fig_max_weight.png'}, {root / 'fig_heatmap_0_attnres.png'}, " in printed  # full paths
     for png in ('fig_max_weight.png', 'fig_heatmap_0_attnres.png', 'fig_heatmap_1_delta_block.png'):
         img = matplotlib.image.imread(root / png)
         assert img.ndim == 3 and img.shape[0] > 100 and img[..., :3].std() > 0.05   # not blank
