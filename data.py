@@ -52,7 +52,7 @@ def write_shard(path, tokens, dtype=np.uint16):
 
 def read_shard(path, vocab_size=None):
     """Memory-map the tokens of one shard after checking its header against the file size and, given the
-    dataset's vocab_size, every token id against it (one pass over the file: ~0.1 s per 100M tokens once cached)."""
+    dataset's vocab_size, every token id against it (one pass over the file: ~0.04 s per 100M tokens from the page cache)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data shard {path} does not exist")
     size = os.path.getsize(path)
