@@ -118,8 +118,9 @@ def read_checkpoint(path, mmap=False):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint {path}")
     best = os.path.join(os.path.dirname(path), 'best.pt')
-    advice = (f"use the best-validation checkpoint instead (e.g. copy {best} to {path}) or start a new run"
-              if os.path.isfile(best) and os.path.basename(path) != 'best.pt' else "start a new run")
+    restart = "start a new run (train.py --overwrite=True replaces it)"
+    advice = (f"use the best-validation checkpoint instead (e.g. copy {best} to {path}) or {restart}"
+              if os.path.isfile(best) and os.path.basename(path) != 'best.pt' else restart)
     size = os.path.getsize(path)
     # torch.save writes a zip file whose directory is at its end: a cut-short file has none
     if not zipfile.is_zipfile(path):

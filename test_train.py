@@ -259,7 +259,7 @@ def test_runs_never_overwrite_a_good_checkpoint(corpus, tmp_path):
     assert p.returncode == 1 and p.stderr == (
         f"error: checkpoint {out}/ckpt.pt is truncated or corrupt (5,000 bytes): its write did not finish (a crash or "
         f"a full disk?); use the best-validation checkpoint instead (e.g. copy {out}/best.pt to {out}/ckpt.pt) or start "
-        f"a new run\n")
+        f"a new run (train.py --overwrite=True replaces it)\n")
     (out / 'ckpt.pt').write_bytes(b'')
     import sample
     with pytest.raises(ValueError, match=f'checkpoint {out}/ckpt.pt is empty \\(0 bytes\\).*copy {out}/best.pt'):
