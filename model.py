@@ -114,8 +114,29 @@ def route_fast(sources, rinvs, proj, norm):
         dtype = torch.promote_types(dtype, s.dtype)
     if torch.is_autocast_enabled(sources[0].device.type):
         dtype = torch.get_autocast_dtype(sources[0].device.type)
-    out, alpha = _Route.apply(u, *rinvs, *sources)
+    tensors = (u, *rinvs, *sources)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        out, alpha = _Route.apply(*tensors)
+    else:
+        # Nothing to differentiate (evaluation, sampling): the same math without the autograd.Function.
+        # Besides saving nothing for a backward that never comes, this keeps torch.compile off a dynamo
+        # path that breaks here: without gradients dynamo calls forward() itself and guesses from the
+        # argument count whether it takes ctx, which for forward(ctx, u, *rinvs_and_sources) at a
+        # one-source site (3 arguments) guesses wrong and shifts every argument by one.
+        out, alpha, _ = _route_forward(u, rinvs, sources)
     return out.to(dtype), alpha
+
+
+def _route_forward(u, rinvs, sources):
+    """-> (out, alpha, lse): logits_i = (s_i . u) r_i, alpha = softmax_i(logits), out = sum_i alpha_i s_i, in fp32."""
+    with torch.autocast(sources[0].device.type, enabled=False):
+        logits = torch.stack([(s.float() @ u) * r for s, r in zip(sources, rinvs)])   # (N, B, T)
+        lse = logits.logsumexp(0)
+        alpha = (logits - lse).exp()
+        out = alpha[0].unsqueeze(-1) * sources[0]
+        for a, s in zip(alpha[1:], sources[1:]):
+            out = out.addcmul_(a.unsqueeze(-1), s)
+    return out, alpha, lse
 
 
 class _Route(torch.autograd.Function):
@@ -125,13 +146,7 @@ class _Route(torch.autograd.Function):
     def forward(ctx, u, *rinvs_and_sources):
         n = len(rinvs_and_sources) // 2
         rinvs, sources = rinvs_and_sources[:n], rinvs_and_sources[n:]
-        with torch.autocast(sources[0].device.type, enabled=False):
-            logits = torch.stack([(s.float() @ u) * r for s, r in zip(sources, rinvs)])   # (N, B, T)
-            lse = logits.logsumexp(0)
-            alpha = (logits - lse).exp()
-            out = alpha[0].unsqueeze(-1) * sources[0]
-            for a, s in zip(alpha[1:], sources[1:]):
-                out = out.addcmul_(a.unsqueeze(-1), s)
+        out, alpha, lse = _route_forward(u, rinvs, sources)
         ctx.save_for_backward(u, lse, *rinvs, *sources)
         ctx.mark_non_differentiable(alpha)
         return out, alpha
