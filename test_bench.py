@@ -94,9 +94,10 @@ def model_and_tokens(mode, device='cpu', **kw):
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('n_blocks', [2, 5])
-@pytest.mark.parametrize('mode', ROUTED)
+@pytest.mark.parametrize('mode', ROUTED + ['delta_attnres+official', 'delta_block+official'])
 def test_model_fast_equals_naive(mode, n_blocks, device):
-    model, idx = model_and_tokens(mode, device, n_blocks=n_blocks)
+    residual, *official = mode.split('+')
+    model, idx = model_and_tokens(residual, device, n_blocks=n_blocks, variant='official' if official else 'paper')
     logits_n, grads_n = loss_and_grads(model, idx, fast=False)
     logits_f, grads_f = loss_and_grads(model, idx, fast=True)
     assert (logits_f - logits_n).abs().max() <= 1e-5 * logits_n.abs().max()
