@@ -221,6 +221,11 @@ def markdown(head, rows):
 # -----------------------------------------------------------------------------
 # the figures
 
+def seeds(group):
+    n = len(group['runs'])
+    return f"{n} seed{'s' * (n != 1)}"
+
+
 def pyplot():
     import matplotlib
     matplotlib.use('Agg')
@@ -239,7 +244,7 @@ def plot_val_loss(groups, path, pretrained):
             for r in g['runs']:
                 ax.plot(sorted(r['val']), [r['val'][t] for t in sorted(r['val'])], color=color, lw=0.7, alpha=0.4)
             ax.plot(steps, [np.mean([r['val'][t] for r in g['runs']]) for t in steps], color=color, lw=1.8,
-                    label=f"{g['label']} ({len(g['runs'])} seeds)")
+                    label=f"{g['label']} ({seeds(g)})")
     last = max(max(r['val']) for g in groups for r in g['runs'])
     tail = [v for g in groups for r in g['runs'] for t, v in r['val'].items() if t >= last / 2]
     axes[1].set_xlim(last / 2, last * 1.01)
@@ -268,7 +273,7 @@ def plot_max_weight(groups, path):
         sites = depth_sites(stats)
         depth = [2 * int(s.split('.')[1]) + (s.endswith('mlp')) for s in sites]   # sublayer index: 2*layer + (mlp)
         ax.plot(depth, [stats[s]['max_weight'] for s in sites], color=f'C{i % 10}', marker='o', ms=3,
-                label=f"{g['label']} (mean of {len(g['runs'])} seeds)")
+                label=f"{g['label']} (mean of {seeds(g)})")
     ax.set_xlabel('sublayer depth (attention and MLP sublayers, in order)')
     ax.set_ylabel('mean max routing weight')
     ax.set_ylim(0, 1)
@@ -386,7 +391,7 @@ def main(argv=None):
         for g in groups:
             if g['summary']['stats']:
                 written.append(f"heatmap_{re.sub(r'[^A-Za-z0-9_.=-]+', '_', g['label'])}.png")
-                plot_heatmap(f"{g['label']}, mean of {len(g['runs'])} seeds", g['summary']['stats'], out / written[-1])
+                plot_heatmap(f"{g['label']}, mean of {seeds(g)}", g['summary']['stats'], out / written[-1])
         print(f"wrote {', '.join(written)} to {out}", file=sys.stderr)
 
 
