@@ -72,6 +72,7 @@ tie_embeddings = True
 residual = 'standard'       # one of model.RESIDUAL_MODES
 n_blocks = 4
 variant = 'paper'           # 'paper': the papers' definitions; 'official': the authors' code as run (see model.py)
+routing_init_std = 0.0      # routing queries at init: 0 = uniform routing (the papers); the authors' code: 0.02
 res_gate = False            # additive modes: x = h + gate * routed; with a Qwen3 init_from the gates start at 0,
                             # so the converted model is exactly the pretrained one (see GPT.from_qwen3)
 # AdamW
@@ -91,6 +92,7 @@ min_lr = 6e-5
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # 'bfloat16' = autocast, fp32 master weights
+param_dtype = 'float32'     # 'bfloat16': the weights and AdamW state themselves in BF16, as the authors' code trains
 compile = torch.cuda.is_available()
 fsdp = False                # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
 activation_checkpointing = False  # recompute attention and MLP activations in the backward pass
@@ -116,6 +118,8 @@ expected = {  # setting: (holds?, what is expected)
     'freeze_base': (not (freeze_base and residual == 'standard'),
                     "False with residual='standard', which has no routing parameters to train"),
     'dtype': (dtype in ('float32', 'bfloat16'), "'float32' or 'bfloat16' (float16 would need loss scaling)"),
+    'param_dtype': (param_dtype in ('float32', 'bfloat16'), "'float32' or 'bfloat16'"),
+    'routing_init_std': (routing_init_std >= 0, '>= 0 (0 = zero queries, uniform routing)'),
     'fsdp': (not fsdp or ddp, "False without torchrun: FSDP shards the model over processes"),
     'gradient_accumulation_steps': (gradient_accumulation_steps >= 1 and gradient_accumulation_steps % world_size == 0,
                                     f">= 1 and divisible by the number of processes, {world_size} (it counts "
@@ -124,9 +128,10 @@ expected = {  # setting: (holds?, what is expected)
     'max_iters': (max_iters >= 0, '>= 0'),
     'vocab_size': (vocab_size is None or (isinstance(vocab_size, int) and vocab_size >= 1),
                    "None (the dataset's) or an int >= 1"),
-    'learning_rate': (learning_rate > 0, '> 0'),
-    'routing_learning_rate': (routing_learning_rate is None or (number(routing_learning_rate) and routing_learning_rate > 0),
-                              'None (learning_rate) or a number > 0'),
+    'learning_rate': (learning_rate >= 0, '>= 0'),
+    'routing_learning_rate': (routing_learning_rate is None or (number(routing_learning_rate) and routing_learning_rate >= 0
+                                                                and learning_rate > 0),
+                              'None (learning_rate) or a number >= 0, with learning_rate > 0 (it scales the schedule)'),
     'min_lr': (0 <= min_lr <= learning_rate, f'between 0 and learning_rate={learning_rate}'),
     'warmup_iters': (warmup_iters >= 0 and (not decay_lr or warmup_iters < lr_decay_iters),
                      f'>= 0 and < lr_decay_iters={lr_decay_iters}' + (' (decay_lr=True)' if decay_lr else '')),
@@ -225,6 +230,16 @@ else:
     if master:
         print(f"fine-tuning {init_from} as {residual}" + (" (zero gates: exactly the pretrained model at step 0)"
                                                            if res_gate else ""))
+if init_from == 'scratch' and routing_init_std > 0:
+    with torch.no_grad():   # as the authors' code leaves them: Hugging Face's normal init, not zero
+        for name, p in model.named_parameters():
+            if name.endswith('_res_proj.weight'):
+                p.normal_(0.0, routing_init_std)
+if param_dtype == 'bfloat16':
+    # parameters only: the RoPE tables stay fp32. The optimizer then updates BF16 weights directly, so
+    # updates smaller than a weight's rounding step (2^-8 relative) are lost: the authors' recipe, not ours.
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
 if freeze_base:
     for name, p in model.named_parameters():
         p.requires_grad_('_res_' in name)
