@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from sample import load_model
+from checkpoints import load_model
 
 
 def export(ckpt_path, dest, dtype=None):

@@ -65,7 +65,7 @@ def load_stats(source, data_dir=None, batches=4, batch_size=8, block_size=256, r
             cfg = torch.load(ckpt, map_location='cpu', weights_only=False)['model_config']
         return f"{cfg.get('residual', source.parent.name)} ({when})", stats
     from data import ShardLoader, load_meta
-    from sample import load_model
+    from checkpoints import load_model
     if source.suffix == '.pt':
         model, _ = load_model('resume', str(source.parent))
         data_dir = data_dir or os.path.join('data', torch.load(source, map_location='cpu', weights_only=False)['meta']['name'])

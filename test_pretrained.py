@@ -293,7 +293,7 @@ def trained_runs(tmp_path_factory):
     import numpy as np
     import data
     from model import GPTConfig
-    from prepare_fineweb import get_tokenizer
+    from checkpoints import get_tokenizer
     root = tmp_path_factory.mktemp('runs')
     enc = get_tokenizer('byte')
     tokens = np.array(enc.encode_ordinary((Path(__file__).parent / 'model.py').read_text()))
@@ -342,7 +342,7 @@ def test_plot_routing(trained_runs, capsys):
         img = matplotlib.image.imread(root / png)
         assert img.ndim == 3 and img.shape[0] > 100 and img[..., :3].std() > 0.05   # not blank
     # stats measured on val data are a token-weighted mean of forward(stats=True)
-    model, _ = __import__('sample').load_model('resume', str(runs['delta_block']))
+    model, _ = __import__('checkpoints').load_model('resume', str(runs['delta_block']))
     x = torch.randint(0, 257, (2, 64))
     ours = plot_routing.stats_from_model(model, [x, x])
     _, _, direct = model(x, stats=True)
