@@ -2,14 +2,20 @@
 Checkpoints and tokenizers in and out of this repo, below the scripts that use them (sample.py, export.py,
 eval_lm.py, plot_routing.py, prepare_fineweb.py). model.py is the model's math; this file is the formats:
 
-- tokenizers: get_tokenizer(name) for 'byte', 'gpt2' or a Hugging Face tokenizer.json;
+- tokenizers: get_tokenizer(name) for 'byte', 'gpt2' or a Hugging Face tokenizer.json, and
+  save_hf_tokenizer(name, dir), the same tokenizer as files that transformers' AutoTokenizer loads;
 - Hugging Face directories (config.json + safetensors): load_hf reads a Qwen3 checkpoint or a directory
   that save_hf wrote;
+  save_hf writes a plain Qwen3 checkpoint for 'standard' and, for the routed modes, a directory that
+  transformers loads with trust_remote_code=True, its remote code being hf_model.py + model.py itself;
 - train.py checkpoints: load_model(init_from, out_dir).
 GPT.from_qwen3 and GPT.save_qwen3 are the entry points to load_hf and save_hf.
 """
+import base64
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import tiktoken
@@ -89,6 +95,33 @@ def get_tokenizer(name):
     return HFTokenizer(hf_tokenizer_file(name))
 
 
+def save_hf_tokenizer(name, dest, model_max_length=None):
+    """Write tokenizer `name` (see get_tokenizer) into dest as tokenizer.json + tokenizer_config.json,
+    which transformers' AutoTokenizer (and so lm-evaluation-harness) loads. A tokenizer.json is copied;
+    the tiktoken tokenizers ('byte', 'gpt2') are converted by transformers' TikTokenConverter, which
+    rebuilds the BPE merges from the ranks (tested: the same ids as tiktoken)."""
+    enc = get_tokenizer(name)
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    if isinstance(enc, HFTokenizer):
+        if Path(enc.name).resolve() != (dest / 'tokenizer.json').resolve():
+            shutil.copy(enc.name, dest / 'tokenizer.json')
+    else:
+        from tokenizers import AddedToken
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+        with tempfile.TemporaryDirectory() as tmp:   # the converter reads tiktoken's file format
+            ranks = Path(tmp) / 'ranks.tiktoken'
+            ranks.write_text(''.join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in enc._mergeable_ranks.items()))
+            tok = TikTokenConverter(str(ranks), pattern=enc._pat_str).converted()
+        tok.add_special_tokens([AddedToken(t, special=True) for t in enc._special_tokens])
+        tok.save(str(dest / 'tokenizer.json'))
+    config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': '<|endoftext|>',
+              'bos_token': None, 'clean_up_tokenization_spaces': False}
+    if model_max_length is not None:
+        config['model_max_length'] = model_max_length
+    (dest / 'tokenizer_config.json').write_text(json.dumps(config, indent=2) + '\n')
+
+
 # -----------------------------------------------------------------------------
 # Hugging Face directories (config.json + safetensors), read and written without `transformers`
 
@@ -102,20 +135,27 @@ def get_tokenizer(name):
 # have no such point: x = sum_i alpha_i s_i is never h (the sublayer sees a convex mix of sources
 # whose sum is h, e.g. h/N at uniform routing, and the final norm reads a mix too), so they start
 # from the from-scratch routing init and pay a loss jump at conversion.
-ROUTING_CONFIG_KEY = 'attention_residuals'   # our config.json entry: residual, n_blocks, res_gate
+ROUTING_CONFIG_KEY = 'attention_residuals'   # our config.json entry: residual, n_blocks, res_gate, variant
+ROUTING_FIELDS = ('residual', 'n_blocks', 'res_gate', 'variant')
+# A routed mode's directory has its own model_type, so that transformers without trust_remote_code
+# refuses it instead of loading it as a plain Qwen3 with the routing dropped.
+MODEL_TYPE = 'qwen3_attention_residuals'
+REMOTE_CODE = ('hf_model.py', 'model.py')    # copied into the directory: transformers imports them from there
+
 def load_hf(path, identity_init=False, **overrides):
     """Build a model of any residual mode from a LOCAL Hugging Face directory. Its tensors load by name.
     A plain Qwen3 checkpoint has no routing parameters: they keep their from-scratch init (zero queries:
     uniform routing), or with identity_init=True (additive modes) get zero gates, so the converted model
     computes exactly what the checkpoint does. A directory written by save_hf also holds the routing
-    parameters and its mode (config.json's 'attention_residuals'), and loads back as it was saved."""
+    parameters and its mode, and loads as it was saved."""
     from safetensors import safe_open
     path = Path(path)
     if not (path / 'config.json').is_file():
         raise ValueError(f"{path} is not a Hugging Face checkpoint directory: it has no config.json")
     hf = json.loads((path / 'config.json').read_text())
-    if hf.get('model_type') != 'qwen3':
-        raise ValueError(f"{path} holds a {hf.get('model_type')!r} model; expected model_type 'qwen3'")
+    if hf.get('model_type') not in ('qwen3', MODEL_TYPE):
+        raise ValueError(f"{path} holds a {hf.get('model_type')!r} model; expected model_type 'qwen3' "
+                         f"(or {MODEL_TYPE!r} from save_hf)")
     for rope in (hf.get('rope_scaling'), hf.get('rope_parameters')):   # older and newer HF writers
         if rope and rope.get('rope_type', rope.get('type', 'default')) != 'default':
             raise ValueError(f"rope scaling {rope} is not implemented; only plain RoPE ('default') is")
@@ -169,7 +209,7 @@ def load_hf(path, identity_init=False, **overrides):
     if model.config.tie_embeddings:
         tensors.pop('lm_head.weight', None)      # tied: the embedding is the head
     own = model.state_dict()
-    # routing parameters are expected only from a directory that save_hf wrote for a routed mode
+    # routing parameters are expected only from a directory that holds a routed mode
     routed_dir = stored.get('residual', 'standard') != 'standard'
     expected = {k for k in own if (routed_dir or '_res_' not in k)
                 and not (model.config.tie_embeddings and k == 'lm_head.weight')}
@@ -191,21 +231,25 @@ def load_hf(path, identity_init=False, **overrides):
 
 
 def save_hf(model, path, dtype=None):
-    """Write a Hugging Face-style directory (config.json + model.safetensors) that load_hf loads back
-    exactly. Tensors are named as in HF Qwen3 ('model.layers.0.self_attn.q_proj.weight', ...); the
-    routing parameters follow the same scheme ('model.layers.0.attn_res_proj.weight') and config.json
-    records the mode under 'attention_residuals'. A 'standard' model is a plain Qwen3 checkpoint that
-    transformers' Qwen3ForCausalLM loads; transformers does not know the routed modes (it would drop
-    their routing tensors), so only load_hf reads those."""
+    """Write a Hugging Face directory (config.json + model.safetensors) that load_hf reads back exactly.
+
+    'standard' is a plain Qwen3 checkpoint: transformers' Qwen3ForCausalLM loads it, tensors named as
+    Qwen3's ('model.layers.0.self_attn.q_proj.weight', ..., 'lm_head.weight'). A routed mode is a
+    transformers model with remote code: AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+    imports hf_model.py from the directory, which wraps model.py's GPT (copied next to it; transformers
+    copies a remote module's relative imports) in a PreTrainedModel held as `model`, so every tensor is
+    'model.' + the GPT's own name ('model.layers.0.attn_res_proj.weight', 'model.lm_head.weight') and
+    config.json records the mode under 'attention_residuals'."""
     from safetensors.torch import save_file
     cfg, path = model.config, Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    routed = cfg.residual != 'standard'
     tensors = {}
     for k, t in model.state_dict().items():
         if k == 'lm_head.weight' and cfg.tie_embeddings:
             continue            # tied: stored once, as the embedding (as HF does)
         t = t.detach().to('cpu', dtype if dtype is not None and t.is_floating_point() else t.dtype)
-        tensors[k if k == 'lm_head.weight' else 'model.' + k] = t.contiguous()
+        tensors[k if k == 'lm_head.weight' and not routed else 'model.' + k] = t.contiguous()
     save_file(tensors, path / 'model.safetensors', metadata={'format': 'pt'})
     hf = {
         'model_type': 'qwen3', 'vocab_size': cfg.vocab_size, 'max_position_embeddings': cfg.block_size,
@@ -214,10 +258,14 @@ def save_hf(model, path, dtype=None):
         'rope_theta': cfg.rope_theta, 'rms_norm_eps': cfg.rms_norm_eps, 'tie_word_embeddings': cfg.tie_embeddings,
         'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False,
         'torch_dtype': str(next(iter(tensors.values())).dtype).removeprefix('torch.'),
+        'architectures': ['Qwen3ForCausalLM'],
+        ROUTING_CONFIG_KEY: {k: getattr(cfg, k) for k in ROUTING_FIELDS},
     }
-    if cfg.residual == 'standard':
-        hf['architectures'] = ['Qwen3ForCausalLM']
-    hf[ROUTING_CONFIG_KEY] = {'residual': cfg.residual, 'n_blocks': cfg.n_blocks, 'res_gate': cfg.res_gate}
+    if routed:
+        hf.update(model_type=MODEL_TYPE, architectures=['GPTForCausalLM'],
+                  auto_map={'AutoConfig': 'hf_model.GPTHFConfig', 'AutoModelForCausalLM': 'hf_model.GPTForCausalLM'})
+        for f in REMOTE_CODE:
+            shutil.copy(Path(__file__).parent / f, path / f)
     (path / 'config.json').write_text(json.dumps(hf, indent=2) + '\n')
 
 
@@ -245,8 +293,9 @@ def load_model(init_from, out_dir='out', residual=None, n_blocks=None):
     path = Path(init_from)
     if not (path / 'config.json').is_file():
         raise FileNotFoundError(f"init_from={init_from!r} is neither 'resume' nor a checkpoint directory with a config.json")
-    saved = json.loads((path / 'config.json').read_text()).get(ROUTING_CONFIG_KEY, {}).get('residual', 'standard')
+    hf = json.loads((path / 'config.json').read_text())
+    plain = hf.get('model_type') == 'qwen3' and (hf.get(ROUTING_CONFIG_KEY) or {}).get('residual', 'standard') == 'standard'
     # a plain Qwen3 converted to an additive mode starts as exactly the checkpoint (see load_hf)
-    identity_init = saved == 'standard' and RESIDUAL_MODES[overrides.get('residual', 'standard')][1] == 'add'
+    identity_init = plain and RESIDUAL_MODES[overrides.get('residual', 'standard')][1] == 'add'
     model = load_hf(path, identity_init=identity_init, **overrides)
     return model, str(path) if (path / 'tokenizer.json').is_file() else None

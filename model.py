@@ -388,8 +388,8 @@ class GPT(nn.Module):
         return load_hf(path, identity_init, **overrides)
 
     def save_qwen3(self, path, dtype=None):
-        """Write a Hugging Face directory that from_qwen3 loads back exactly (a plain Qwen3 checkpoint
-        for 'standard'). See checkpoints.save_hf."""
+        """Write a Hugging Face directory: a plain Qwen3 checkpoint for 'standard', a transformers model
+        with remote code (trust_remote_code=True) for the routed modes. See checkpoints.save_hf."""
         from checkpoints import save_hf
         save_hf(self, path, dtype)
 

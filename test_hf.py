@@ -1,0 +1,158 @@
+"""Tests for the Hugging Face ecosystem: every mode through transformers (logits, generate()) and
+tokenizers as Hugging Face files. Offline, on tiny models and files the tests write.
+Run: python -m pytest -q test_hf.py"""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import get_tokenizer, save_hf_tokenizer
+from model import GPT, RESIDUAL_MODES
+from test_model import make_model
+from test_pretrained import randomize_gates
+
+transformers = pytest.importorskip('transformers')
+transformers.logging.set_verbosity_error()
+
+MODES = list(RESIDUAL_MODES)
+
+
+def load_transformers(path, **kw):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kw).eval()
+
+
+# -----------------------------------------------------------------------------
+# Every mode as a transformers model
+
+@pytest.mark.parametrize('mode', MODES + ['delta_block+gate', 'delta_attnres+official', 'full_attnres+untied'])
+def test_every_mode_round_trips_through_transformers(tmp_path, mode):
+    mode, _, extra = mode.partition('+')
+    kw = dict(res_gate=extra == 'gate', tie_embeddings=extra != 'untied', variant='official' if extra == 'official' else 'paper')
+    model = randomize_gates(make_model(mode, n_blocks=2, **kw))
+    model.save_qwen3(tmp_path)
+    hf = load_transformers(tmp_path)
+    # standard is a plain Qwen3; the routed modes are model.py's GPT itself, inside the remote-code wrapper
+    assert type(hf).__name__ == ('Qwen3ForCausalLM' if mode == 'standard' else 'GPTForCausalLM')
+    if mode != 'standard':
+        assert asdict(hf.model.config) == asdict(model.config)   # (a GPTConfig of the copied model.py)
+        assert sorted(p.name for p in tmp_path.glob('*.py')) == ['hf_model.py', 'model.py']
+        assert (tmp_path / 'model.py').read_text() == (Path(__file__).parent / 'model.py').read_text()
+    idx = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(idx)[0], hf(idx).logits
+    err = ((theirs - ours).abs().max() / ours.abs().max()).item()
+    print(f"\n{mode}{'+' + extra if extra else ''}: max |logit difference| / max |logit| = {err:.1e}")
+    assert err <= 1e-5
+    # generate(): greedy decoding equals sample.generate's, with transformers' loop, with and without the cache
+    from sample import generate
+    prompt = idx[:, :5]
+    ref = generate(model, prompt, 9, temperature=0)
+    seen = []
+    if mode != 'standard':
+        hf.model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    for use_cache in (True, False):
+        out = hf.generate(prompt, max_new_tokens=9, do_sample=False, use_cache=use_cache, pad_token_id=0)
+        assert torch.equal(out, ref), (use_cache, out, ref)
+    if mode != 'standard':   # with the cache only the new token goes in; without, the whole sequence
+        assert seen == [5] + [1] * 8 + list(range(5, 14))
+    # what transformers saves (save_pretrained, push_to_hub: with the code files) loads back here too
+    hf.save_pretrained(tmp_path / 'resaved')
+    back = GPT.from_qwen3(tmp_path / 'resaved')
+    assert back.config == model.config
+    with torch.no_grad():
+        assert torch.equal(back(idx)[0], ours)
+
+
+def test_routed_directory_is_refused_without_remote_code(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+    make_model('delta_block', n_blocks=2).save_qwen3(tmp_path)
+    # transformers must not load it as a plain Qwen3 with the routing silently dropped
+    with pytest.raises(ValueError, match='trust_remote_code'):
+        AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=False)
+    make_model('standard').save_qwen3(tmp_path / 'std')
+    assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path / 'std'), Qwen3ForCausalLM)
+
+
+def test_export_loads_in_a_fresh_python_elsewhere(tmp_path):
+    # a user's process: another working directory, nothing of this repo on the path but the directory itself
+    import subprocess
+    import sys
+    model = make_model('delta_block', n_blocks=2)
+    model.save_qwen3(tmp_path / 'm')
+    code = ("import torch; from transformers import AutoModelForCausalLM; "
+            "m = AutoModelForCausalLM.from_pretrained('m', trust_remote_code=True); "
+            "print(m(torch.arange(16)[None] % 61).logits.double().sum().item())")
+    p = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={'OMP_NUM_THREADS': '1', 'PATH': '/usr/bin:/bin', 'HF_HUB_OFFLINE': '1',
+                            'HF_MODULES_CACHE': str(tmp_path / 'modules')})
+    assert p.returncode == 0, p.stderr[-2000:]
+    with torch.no_grad():
+        assert float(p.stdout.split()[-1]) == pytest.approx(model(torch.arange(16)[None] % 61)[0].double().sum().item(), rel=1e-6)
+
+
+def test_remote_model_refuses_padding(tmp_path):
+    make_model('attnres', n_blocks=2).save_qwen3(tmp_path)
+    hf = load_transformers(tmp_path)
+    idx = torch.randint(0, 61, (2, 8))
+    mask = torch.ones_like(idx)
+    torch.testing.assert_close(hf(idx, attention_mask=mask).logits, hf(idx).logits, rtol=0, atol=0)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match='padding'):
+        hf(idx, attention_mask=mask)
+
+
+def test_export_script_writes_a_transformers_model_with_its_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+    import export
+    model = make_model('delta_block', n_blocks=2, vocab_size=257, variant='official')
+    (tmp_path / 'run').mkdir()
+    torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), meta={'tokenizer': 'byte'}),
+               tmp_path / 'run' / 'ckpt.pt')
+    export.main([str(tmp_path / 'run' / 'ckpt.pt'), str(tmp_path / 'out')])
+    stored = json.loads((tmp_path / 'out' / 'config.json').read_text())['attention_residuals']
+    assert stored == {'residual': 'delta_block', 'n_blocks': 2, 'res_gate': False, 'variant': 'official'}
+    assert GPT.from_qwen3(tmp_path / 'out').config == model.config
+    tok = AutoTokenizer.from_pretrained(tmp_path / 'out')
+    text = 'the cat sat'
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    assert ids.tolist()[0] == get_tokenizer('byte').encode_ordinary(text)
+    with torch.no_grad():
+        assert torch.equal(load_transformers(tmp_path / 'out')(ids).logits, model(ids)[0])
+
+
+# -----------------------------------------------------------------------------
+# Tokenizers as Hugging Face files
+
+TEXT = "Hello wörld, ñ 日本語 \n\n  def f(x):\treturn x ** 2  # the end"
+
+
+def test_byte_tokenizer_as_hf_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+    save_hf_tokenizer('byte', tmp_path, model_max_length=64)
+    tok, enc = AutoTokenizer.from_pretrained(tmp_path), get_tokenizer('byte')
+    assert tok.encode(TEXT, add_special_tokens=False) == enc.encode_ordinary(TEXT) == list(TEXT.encode())
+    assert tok.decode(enc.encode_ordinary(TEXT)) == TEXT
+    assert tok.eos_token_id == enc.eot_token == 256 and tok.bos_token is None and tok.model_max_length == 64
+
+
+def test_tiktoken_bpe_with_merges_as_hf_tokenizer(tmp_path, monkeypatch):
+    # GPT-2's BPE needs the network; a small tiktoken BPE with merges takes the same conversion path
+    import tiktoken
+    from transformers import AutoTokenizer
+    import checkpoints
+    ranks = {bytes([i]): i for i in range(256)}
+    for word in (b'th', b'he', b'the', b' t', b' the', b're', b'ret', b'ur', b'urn', b'return', b' return'):
+        ranks[word] = len(ranks)     # each a merge of two earlier tokens
+    toy = tiktoken.Encoding(name='toy', pat_str=get_tokenizer('byte')._pat_str, mergeable_ranks=ranks,
+                            special_tokens={'<|endoftext|>': len(ranks)})
+    monkeypatch.setattr(checkpoints, 'get_tokenizer', lambda name: toy)
+    save_hf_tokenizer('gpt2', tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    text = TEXT + ' the theatre: return the other'
+    assert len(toy.encode_ordinary(text)) < len(text.encode())        # merges happen
+    assert tok.encode(text, add_special_tokens=False) == toy.encode_ordinary(text)
+    assert tok.eos_token_id == toy.eot_token
