@@ -4,8 +4,8 @@ eval_lm.py, plot_routing.py, prepare_fineweb.py). model.py is the model's math; 
 
 - tokenizers: get_tokenizer(name) for 'byte', 'gpt2' or a Hugging Face tokenizer.json, and
   save_hf_tokenizer(name, dir), the same tokenizer as files that transformers' AutoTokenizer loads;
-- Hugging Face directories (config.json + safetensors): load_hf reads a Qwen3 checkpoint or a directory
-  that save_hf wrote;
+- Hugging Face directories (config.json + safetensors): load_hf reads a Qwen3 checkpoint, a directory
+  that save_hf wrote, or one that the authors' official code saved (model_type 'qwen3_attnres');
   save_hf writes a plain Qwen3 checkpoint for 'standard' and, for the routed modes, a directory that
   transformers loads with trust_remote_code=True, its remote code being hf_model.py + model.py itself;
 - train.py checkpoints: load_model(init_from, out_dir).
@@ -142,20 +142,55 @@ ROUTING_FIELDS = ('residual', 'n_blocks', 'res_gate', 'variant')
 MODEL_TYPE = 'qwen3_attention_residuals'
 REMOTE_CODE = ('hf_model.py', 'model.py')    # copied into the directory: transformers imports them from there
 
+# The authors' code (wdlctc/delta-attention-residuals-code, Attention-Residuals/modeling_qwen3_attnres.py)
+# saves model_type 'qwen3_attnres' with its mode in attnres_mode. Its routing tensors are named as ours
+# (model.layers.N.{attn,mlp}_res_{proj,norm}.weight, and model.final_res_{proj,norm}.weight where the
+# mode routes the final norm's input: block and full). Its baseline is a plain Qwen3ForCausalLM
+# checkpoint (model_type 'qwen3'), which loads as 'standard' like any Qwen3.
+OFFICIAL_MODES = {'full': 'full_attnres', 'block': 'attnres', 'delta': 'delta_attnres', 'delta_block': 'delta_block'}
+
+
+def official_routing(hf, path):
+    """config.json of the official code -> our ROUTING_CONFIG_KEY entry; a ValueError for what it runs
+    that no mode here computes exactly. Defaults are its config class's (mode 'block', 8 blocks)."""
+    mode, gate = hf.get('attnres_mode', 'block'), hf.get('attnres_gate_type', 'bias')
+    if mode == 'baseline':
+        raise ValueError(f"{path}: attnres_mode 'baseline' in a qwen3_attnres config is not what the official code "
+                         f"trains (its baseline is a plain Qwen3 checkpoint, model_type 'qwen3', which loads here as "
+                         f"'standard'); its qwen3_attnres layers have no baseline branch and would route it as 'full' "
+                         f"without the final routing site, which no mode here computes")
+    if mode not in OFFICIAL_MODES:
+        raise ValueError(f"{path}: attnres_mode {mode!r} of the official code has no counterpart here (the '_v' modes "
+                         f"route the attention values separately, the others change the sources or gate them before the "
+                         f"softmax); loadable: {', '.join(OFFICIAL_MODES)}")
+    if gate != 'bias':
+        raise ValueError(f"{path}: attnres_gate_type {gate!r} mixes the routed input with the residual stream through a "
+                         f"gate no mode here has; only 'bias' (despite its name: no gate, the routed input used as is) loads")
+    if hf.get('attnres_use_null_source'):
+        raise ValueError(f"{path}: attnres_use_null_source=true adds a learned null source to every routing site, "
+                         f"which no mode here has")
+    # the official layers_per_block is max(1, ceil(L / n)): more blocks than layers is one layer per block
+    n_blocks = min(hf.get('attnres_num_blocks', 8), hf['num_hidden_layers'])
+    residual = OFFICIAL_MODES[mode]
+    # the Delta modes as the official code runs them (GPTConfig.variant); for the others both agree
+    variant = 'official' if residual in ('delta_attnres', 'delta_block') else 'paper'
+    return {'residual': residual, 'n_blocks': n_blocks, 'res_gate': False, 'variant': variant}
+
+
 def load_hf(path, identity_init=False, **overrides):
     """Build a model of any residual mode from a LOCAL Hugging Face directory. Its tensors load by name.
     A plain Qwen3 checkpoint has no routing parameters: they keep their from-scratch init (zero queries:
     uniform routing), or with identity_init=True (additive modes) get zero gates, so the converted model
-    computes exactly what the checkpoint does. A directory written by save_hf also holds the routing
-    parameters and its mode, and loads as it was saved."""
+    computes exactly what the checkpoint does. A directory written by save_hf, or by the official code,
+    also holds the routing parameters and its mode, and loads as it was saved."""
     from safetensors import safe_open
     path = Path(path)
     if not (path / 'config.json').is_file():
         raise ValueError(f"{path} is not a Hugging Face checkpoint directory: it has no config.json")
     hf = json.loads((path / 'config.json').read_text())
-    if hf.get('model_type') not in ('qwen3', MODEL_TYPE):
+    if hf.get('model_type') not in ('qwen3', MODEL_TYPE, 'qwen3_attnres'):
         raise ValueError(f"{path} holds a {hf.get('model_type')!r} model; expected model_type 'qwen3' "
-                         f"(or {MODEL_TYPE!r} from save_hf)")
+                         f"(or {MODEL_TYPE!r} from save_hf, 'qwen3_attnres' from the official code)")
     for rope in (hf.get('rope_scaling'), hf.get('rope_parameters')):   # older and newer HF writers
         if rope and rope.get('rope_type', rope.get('type', 'default')) != 'default':
             raise ValueError(f"rope scaling {rope} is not implemented; only plain RoPE ('default') is")
@@ -175,7 +210,7 @@ def load_hf(path, identity_init=False, **overrides):
         rope_theta=float(rope_theta),
         rms_norm_eps=hf.get('rms_norm_eps', 1e-6), tie_embeddings=hf.get('tie_word_embeddings', False),
     )
-    stored = hf.get(ROUTING_CONFIG_KEY) or {}
+    stored = official_routing(hf, path) if hf['model_type'] == 'qwen3_attnres' else hf.get(ROUTING_CONFIG_KEY) or {}
     args.update(stored)
     mode = overrides.get('residual', args.get('residual', 'standard'))
     if identity_init:

@@ -382,8 +382,8 @@ class GPT(nn.Module):
     @classmethod
     def from_qwen3(cls, path, identity_init=False, **overrides):
         """A model of any residual mode from a LOCAL Qwen3 checkpoint directory (converted on load; with
-        identity_init=True the additive modes start as exactly the checkpoint) or a directory that
-        save_qwen3 wrote. See checkpoints.load_hf."""
+        identity_init=True the additive modes start as exactly the checkpoint), a directory that
+        save_qwen3 wrote, or one the official code saved. See checkpoints.load_hf."""
         from checkpoints import load_hf
         return load_hf(path, identity_init, **overrides)
 

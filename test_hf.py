@@ -1,6 +1,6 @@
-"""Tests for the Hugging Face ecosystem: every mode through transformers (logits, generate()) and
-tokenizers as Hugging Face files. Offline, on tiny models and files the tests write.
-Run: python -m pytest -q test_hf.py"""
+"""Tests for the Hugging Face ecosystem: every mode through transformers (logits, generate()), tokenizers
+as Hugging Face files, and checkpoints of the official code. Offline, on tiny models and files the tests
+write. Run: python -m pytest -q test_hf.py"""
 
 import json
 from dataclasses import asdict
@@ -11,7 +11,7 @@ import torch
 
 from checkpoints import get_tokenizer, save_hf_tokenizer
 from model import GPT, RESIDUAL_MODES
-from test_model import make_model
+from test_model import make_model, write_hf_qwen3
 from test_pretrained import randomize_gates
 
 transformers = pytest.importorskip('transformers')
@@ -156,3 +156,65 @@ def test_tiktoken_bpe_with_merges_as_hf_tokenizer(tmp_path, monkeypatch):
     assert len(toy.encode_ordinary(text)) < len(text.encode())        # merges happen
     assert tok.encode(text, add_special_tokens=False) == toy.encode_ordinary(text)
     assert tok.eos_token_id == toy.eot_token
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints saved by the official code (wdlctc/delta-attention-residuals-code,
+# Attention-Residuals/modeling_qwen3_attnres.py): model_type 'qwen3_attnres'; every layer has the
+# routing tensors below, and the model a final routing site only in the modes listed in its
+# _needs_final_routing (block, full; also block_v, delta_centered_reset, which are refused here)
+
+OFFICIAL = {'block': 'attnres', 'full': 'full_attnres', 'delta': 'delta_attnres', 'delta_block': 'delta_block'}
+
+
+def write_official(path, attnres_mode, **config):
+    """A directory as the official code's save_pretrained writes it: a Qwen3 checkpoint plus routing tensors."""
+    from safetensors.torch import load_file, save_file
+    write_hf_qwen3(path)   # 4 layers, d=32, tied embeddings
+    cfg = json.loads((path / 'config.json').read_text())
+    cfg.update(model_type='qwen3_attnres', architectures=['Qwen3AttnResForCausalLM'], attnres_mode=attnres_mode,
+               attnres_num_blocks=2, attnres_gate_type='bias', attnres_use_null_source=False)
+    cfg.update(config)
+    (path / 'config.json').write_text(json.dumps(cfg))
+    tensors = load_file(path / 'model.safetensors')
+    g = torch.Generator().manual_seed(0)
+    names = [f'model.layers.{i}.{site}_res_{part}.weight' for i in range(4) for site in ('attn', 'mlp') for part in ('proj', 'norm')]
+    if attnres_mode in ('block', 'full'):
+        names += ['model.final_res_proj.weight', 'model.final_res_norm.weight']
+    for name in names:
+        shape = (1, 32) if '_proj' in name else (32,)
+        tensors[name] = torch.randn(shape, generator=g) + (1.0 if '_norm' in name else 0.0)
+    save_file(tensors, path / 'model.safetensors', metadata={'format': 'pt'})
+    return tensors
+
+
+@pytest.mark.parametrize('attnres_mode', list(OFFICIAL))
+def test_official_checkpoint_loads(tmp_path, attnres_mode):
+    tensors = write_official(tmp_path, attnres_mode)
+    model = GPT.from_qwen3(tmp_path)
+    cfg = model.config
+    assert (cfg.residual, cfg.n_blocks, cfg.res_gate) == (OFFICIAL[attnres_mode], 2, False)
+    assert cfg.variant == ('official' if attnres_mode.startswith('delta') else 'paper')
+    own = model.state_dict()
+    assert all(torch.equal(own[k.removeprefix('model.')], t) for k, t in tensors.items())   # every tensor landed
+    assert {k for k in own if '_res_' in k} == {k.removeprefix('model.') for k in tensors if '_res_' in k}
+    # its config class's default of 8 blocks (and any count above the 4 layers) is one layer per block
+    write_official(tmp_path, attnres_mode, attnres_num_blocks=8)
+    assert GPT.from_qwen3(tmp_path).config.layers_per_block == 1
+    # and it is saved, exported and loaded back with its variant
+    model.save_qwen3(tmp_path / 'ours')
+    assert GPT.from_qwen3(tmp_path / 'ours').config == cfg
+
+
+@pytest.mark.parametrize('change, message', [
+    (dict(attnres_mode='delta_v'), "attnres_mode 'delta_v'"),
+    (dict(attnres_mode='pre_gated'), "attnres_mode 'pre_gated'"),
+    (dict(attnres_mode='baseline'), 'plain Qwen3 checkpoint'),
+    (dict(attnres_gate_type='sigmoid_scalar'), "attnres_gate_type 'sigmoid_scalar'"),
+    (dict(attnres_gate_type='learnable_alpha'), "attnres_gate_type 'learnable_alpha'"),
+    (dict(attnres_use_null_source=True), 'null source'),
+])
+def test_official_checkpoint_refusals(tmp_path, change, message):
+    write_official(tmp_path, **{'attnres_mode': 'delta_block', **change})
+    with pytest.raises(ValueError, match=message):
+        GPT.from_qwen3(tmp_path)
