@@ -1,6 +1,6 @@
 """Tests for the Hugging Face ecosystem: every mode through transformers (logits, generate()), tokenizers
-as Hugging Face files, and checkpoints of the official code. Offline, on tiny models and files the tests
-write. Run: python -m pytest -q test_hf.py"""
+as Hugging Face files, checkpoints of the official code, and downstream evaluation with lm-eval on a
+local task. Offline, on tiny models and files the tests write. Run: python -m pytest -q test_hf.py"""
 
 import json
 from dataclasses import asdict
@@ -218,3 +218,70 @@ def test_official_checkpoint_refusals(tmp_path, change, message):
     write_official(tmp_path, **{'attnres_mode': 'delta_block', **change})
     with pytest.raises(ValueError, match=message):
         GPT.from_qwen3(tmp_path)
+
+
+# -----------------------------------------------------------------------------
+# Downstream evaluation: eval_lm.py with lm-evaluation-harness on a local multiple-choice task
+
+TASK_ROWS = [dict(question='The sky is', choices=['blue', 'green', 'made of cheese'], answer=0),
+             dict(question='2 + 2 =', choices=['4', '5'], answer=0),
+             dict(question='Cats say', choices=['meow', 'woof', 'moo'], answer=0),
+             dict(question='def f(x): return', choices=['x', 'None', 'x ** 2'], answer=2)]
+
+
+def write_local_task(path):
+    path.mkdir()
+    (path / 'data.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in TASK_ROWS))
+    (path / 'tiny_mc.yaml').write_text(f"""task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path / 'data.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""")
+
+
+def test_eval_lm_local_task_matches_gpt(tmp_path, monkeypatch, capsys):
+    pytest.importorskip('lm_eval')
+    pytest.importorskip('accelerate')
+    import eval_lm
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    monkeypatch.setenv('HF_DATASETS_OFFLINE', '1')
+    write_local_task(tmp_path / 'tasks')
+    # a train.py run (out_dir/ckpt.pt, byte tokens): eval_lm exports it and evaluates it through transformers
+    model = make_model('delta_block', n_blocks=2, vocab_size=320, block_size=64)
+    out = tmp_path / 'run'
+    out.mkdir()
+    torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), meta={'tokenizer': 'byte'}), out / 'ckpt.pt')
+    results = eval_lm.main([str(out), '--tasks=tiny_mc', f'--include_path={tmp_path / "tasks"}', '--batch_size=3',
+                            '--device=cpu', '--dtype=float32'])
+    # every log-likelihood lm-eval used equals the one computed directly with GPT
+    enc = get_tokenizer('byte')
+    correct = []
+    for sample in results['samples']['tiny_mc']:
+        lls = []
+        for (context, continuation), ((ll, greedy),) in zip(sample['arguments'], sample['resps']):
+            ctx, cont = enc.encode_ordinary(context), enc.encode_ordinary(continuation)
+            ids = torch.tensor([ctx + cont])
+            with torch.no_grad():
+                logp = model(ids[:, :-1])[0].log_softmax(-1)[0, len(ctx) - 1:]
+            ref = logp.gather(-1, torch.tensor(cont)[:, None]).sum().item()
+            assert ll == pytest.approx(ref, rel=1e-5, abs=1e-5), (context, continuation)
+            assert greedy == bool((logp.argmax(-1) == torch.tensor(cont)).all())
+            lls.append(ref)
+        correct.append(max(range(len(lls)), key=lls.__getitem__) == sample['doc']['answer'])
+    assert len(correct) == len(TASK_ROWS)
+    acc = sum(correct) / len(correct)
+    assert results['results']['tiny_mc']['acc,none'] == pytest.approx(acc)
+    printed = capsys.readouterr().out
+    assert f"tiny_mc{acc:>19.4f}" in printed and f"average{acc:>19.4f}" in printed
+    written = json.loads((out / 'eval_lm.json').read_text())
+    assert written['acc'] == {'tiny_mc': pytest.approx(acc)} and written['tasks'] == ['tiny_mc']
