@@ -243,6 +243,11 @@ def load_hf(path, identity_init=False, **overrides):
                 tensors[key.removeprefix('model.')] = f.get_tensor(key)   # HF nests the decoder under 'model.'
     if model.config.tie_embeddings:
         tensors.pop('lm_head.weight', None)      # tied: the embedding is the head
+    if hf['model_type'] == 'qwen3_attnres' and model.config.official:
+        # the official code builds a routing site for the first attention too but never uses it (that
+        # attention reads E unrouted); model.py's official variant has no such site
+        for part in ('proj', 'norm'):
+            tensors.pop(f'layers.0.attn_res_{part}.weight', None)
     own = model.state_dict()
     # routing parameters are expected only from a directory that holds a routed mode
     routed_dir = stored.get('residual', 'standard') != 'standard'

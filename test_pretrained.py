@@ -131,10 +131,11 @@ def test_identity_holds_on_a_trained_checkpoint(trained_dir):
 # -----------------------------------------------------------------------------
 # KV cache
 
-@pytest.mark.parametrize('mode', MODES + ['delta_block+gate'])
+@pytest.mark.parametrize('mode', MODES + ['delta_block+gate', 'delta_block+official', 'delta_attnres+official'])
 def test_kv_cache_matches_full_forward(mode):
-    gate = mode.endswith('+gate')
-    model = randomize_gates(make_model(mode.removesuffix('+gate'), n_blocks=2, res_gate=gate))
+    residual, *flags = mode.split('+')
+    model = randomize_gates(make_model(residual, n_blocks=2, res_gate='gate' in flags,
+                                       variant='official' if 'official' in flags else 'paper'))
     idx = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(3))
     cache = KVCache(model.config.n_layer)
     with torch.no_grad():
@@ -280,79 +281,6 @@ def test_sample_script_from_a_checkpoint_directory(tmp_path, hf_dir):
     samples = printed.split('---------------\n')
     assert len(samples) == 3 and all(s.startswith('the cat') for s in samples[:2])
     assert 'delta_block: 2 x 8 tokens' in out.stderr and 'KV cache on' in out.stderr
-
-
-# -----------------------------------------------------------------------------
-# plot_routing.py, on tiny checkpoints in train.py's format
-
-@pytest.fixture(scope='module')
-def trained_runs(tmp_path_factory):
-    """data/<name> of byte tokens (model.py's source), and an attnres and a delta_block run trained on it:
-    out_dir/ckpt.pt and out_dir/log.jsonl as train.py writes them."""
-    from dataclasses import asdict
-    import numpy as np
-    import data
-    from model import GPTConfig
-    from checkpoints import get_tokenizer
-    root = tmp_path_factory.mktemp('runs')
-    enc = get_tokenizer('byte')
-    tokens = np.array(enc.encode_ordinary((Path(__file__).parent / 'model.py').read_text()))
-    data_dir = root / 'data' / 'src'
-    data_dir.mkdir(parents=True)
-    data.write_shard(str(data_dir / 'src_val_000000.bin'), tokens[:4000])
-    data.write_shard(str(data_dir / 'src_train_000001.bin'), tokens[4000:])
-    meta = dict(name='src', tokenizer='byte', vocab_size=enc.n_vocab, eot_token=enc.eot_token)
-    (data_dir / 'meta.json').write_text(json.dumps(meta))
-    runs = {}
-    for mode in ('attnres', 'delta_block'):
-        torch.manual_seed(0)
-        cfg = GPTConfig(vocab_size=320, block_size=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, head_dim=8,
-                        intermediate_size=64, residual=mode, n_blocks=2)
-        model = GPT(cfg)
-        opt = model.configure_optimizers(0.0, 1e-2, (0.9, 0.95), 'cpu')
-        loader = data.ShardLoader(str(data_dir), 'train', 8, 64)
-        for step in range(25):
-            (x, y), = loader.train_batches()
-            _, loss, stats = model(torch.from_numpy(x), torch.from_numpy(y.copy()), stats=True)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        out = root / f'out-{mode}'
-        out.mkdir()
-        torch.save(dict(model=model.state_dict(), model_config=asdict(cfg), config={}, meta=meta, iter_num=25), out / 'ckpt.pt')
-        routing = {site: {'max_weight': s['max_weight'].item(), 'entropy': s['entropy'].item(),
-                          'weights': s['weights'].tolist()} for site, s in stats.items()}
-        (out / 'log.jsonl').write_text(json.dumps(dict(step=25, loss=loss.item(), routing=routing)) + '\n'
-                                       + json.dumps(dict(step=25, val_loss=loss.item())) + '\n')
-        runs[mode] = out
-    return root, runs
-
-
-def test_plot_routing(trained_runs, capsys):
-    pytest.importorskip('matplotlib')
-    import matplotlib.image
-    import plot_routing
-    root, runs = trained_runs
-    prefix = str(root / 'fig')
-    plot_routing.main([str(runs['attnres'] / 'ckpt.pt'), str(runs['delta_block'] / 'ckpt.pt'),
-                       '--data_dir', str(root / 'data' / 'src'), '--block_size=64', '--out', prefix])
-    printed = capsys.readouterr().out
-    assert 'attnres: mean max weight' in printed and 'delta_block: mean max weight' in printed
-    for png in ('fig_max_weight.png', 'fig_heatmap_0_attnres.png', 'fig_heatmap_1_delta_block.png'):
-        img = matplotlib.image.imread(root / png)
-        assert img.ndim == 3 and img.shape[0] > 100 and img[..., :3].std() > 0.05   # not blank
-    # stats measured on val data are a token-weighted mean of forward(stats=True)
-    model, _ = __import__('checkpoints').load_model('resume', str(runs['delta_block']))
-    x = torch.randint(0, 257, (2, 64))
-    ours = plot_routing.stats_from_model(model, [x, x])
-    _, _, direct = model(x, stats=True)
-    assert ours['layers.3.mlp']['max_weight'] == pytest.approx(direct['layers.3.mlp']['max_weight'].item(), rel=1e-6)
-    # from the training log: its last record with routing
-    label, stats = plot_routing.load_stats(runs['attnres'] / 'log.jsonl')
-    assert label == 'attnres (step 25)' and 'final' in stats
-    with pytest.raises(ValueError, match='no routing records'):
-        (root / 'empty.jsonl').write_text(json.dumps(dict(step=1, loss=1.0)) + '\n')
-        plot_routing.load_stats(root / 'empty.jsonl')
 
 
 # -----------------------------------------------------------------------------
