@@ -113,7 +113,10 @@ def save_hf_tokenizer(name, dest, model_max_length=None):
             ranks = Path(tmp) / 'ranks.tiktoken'
             ranks.write_text(''.join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in enc._mergeable_ranks.items()))
             tok = TikTokenConverter(str(ranks), pattern=enc._pat_str).converted()
-        tok.add_special_tokens([AddedToken(t, special=True) for t in enc._special_tokens])
+        tok.add_special_tokens([AddedToken(t, special=True) for t in enc._special_tokens])   # appended in order
+        if any(tok.token_to_id(t) != i for t, i in enc._special_tokens.items()):
+            raise ValueError(f"tokenizer {name!r}: its special tokens {enc._special_tokens} do not follow its ranks, "
+                             f"so the converted tokenizer would number them differently")
         tok.save(str(dest / 'tokenizer.json'))
     config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': '<|endoftext|>',
               'bos_token': None, 'clean_up_tokenization_spaces': False}
