@@ -141,7 +141,7 @@ expected = {  # setting: (holds?, what is expected)
     'grad_clip': (grad_clip >= 0, '>= 0 (0: no clipping)'),
     'divergence_factor': (divergence_factor == 0 or divergence_factor > 1, '> 1, or 0 to stop only on non-finite losses'),
     'ddp_timeout_s': (ddp_timeout_s > 0, '> 0 seconds'),
-    'peak_flops': (peak_flops > 0, '> 0 FLOP/s'),
+    'peak_flops': (peak_flops >= 0, '>= 0 FLOP/s'),
 }
 if problems := [f"{k}={globals()[k]!r}: expected {what}" for k, (ok, what) in expected.items() if not ok]:
     raise ValueError('\n'.join(problems))
@@ -460,11 +460,14 @@ while True:
     if ddp:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
-        stop(f"step {iter_num + 1}: non-finite loss ({loss_sum.item()}) or gradient norm ({grad_norm.item()}); "
-             f"stopped without updating the weights. "
-             + (f"The last good checkpoint, {ckpt_path} (step {last_ckpt}), is untouched: resume from it with "
-                f"--init_from=resume and e.g. a lower learning_rate." if last_ckpt is not None else
-                "No checkpoint was written yet."))
+        msg = (f"step {iter_num + 1}: non-finite loss ({loss_sum.item()}) or gradient norm ({grad_norm.item()}); "
+               f"stopped without updating the weights. "
+               + (f"The last good checkpoint, {ckpt_path} (step {last_ckpt}), is untouched: resume from it with "
+                  f"--init_from=resume and e.g. a lower learning_rate." if last_ckpt is not None else
+                  "No checkpoint was written yet."))
+        if ddp:
+            dist.destroy_process_group()
+        raise SystemExit(msg if master else 1)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
