@@ -2,7 +2,7 @@
 Sample from a model of any residual mode, with a KV cache.
 
 From a train.py checkpoint (out_dir/ckpt.pt; its dataset's tokenizer is recorded in it):
-    python sample.py --out_dir=out-delta-block-tiny --start="def " --max_new_tokens=200
+    python sample.py --out_dir=out/tiny --start="def " --max_new_tokens=200      # the quick start's run
 From a Hugging Face Qwen3 directory (its tokenizer.json is used), converted to a residual mode on the
 fly (additive modes with the exact identity init, so they sample like the checkpoint itself), or from
 a directory that GPT.save_qwen3 exported (it loads in the mode it was saved in):
