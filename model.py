@@ -262,9 +262,17 @@ class Layer(nn.Module):
             self.mlp_res_proj = nn.Linear(d, 1, bias=False)
             self.mlp_res_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         if cfg.res_gate:
-            # 1 = the plain additive mode; GPT.from_qwen3(..., identity_init=True) sets 0 (see there)
-            self.attn_res_gate = nn.Parameter(torch.ones(()))
-            self.mlp_res_gate = nn.Parameter(torch.ones(()))
+            # 1 = the plain additive mode; GPT.from_qwen3(..., identity_init=True) sets 0 (see there).
+            # Shape (1,), not a 0-dim scalar: FSDP2 shards every parameter along dim 0 and refuses scalars.
+            self.attn_res_gate = nn.Parameter(torch.ones(1))
+            self.mlp_res_gate = nn.Parameter(torch.ones(1))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints written before the gates became 1-dim hold them as 0-dim scalars: the same value
+        for kind in ('attn', 'mlp'):
+            if state_dict.get(key := f'{prefix}{kind}_res_gate') is not None:
+                state_dict[key] = state_dict[key].reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def sublayers(self, cos, sin, kv=None):
         """(name, f, query, key norm, gate) for the attention and the MLP sublayer, in order; the routing
@@ -323,9 +331,12 @@ class GPT(nn.Module):
         if pos + T > self.config.block_size:
             raise ValueError(f"sequence length {pos + T}{f' ({pos} cached + {T} new)' if pos else ''} "
                              f"exceeds block_size {self.config.block_size}")
-        if not torch.compiler.is_compiling() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range "
-                             f"[{idx.min().item()}, {idx.max().item()}]")
+        # Checked where it is free: on a GPU, reading the range would wait for the device at every forward (an
+        # out-of-range id fails there anyway, in the embedding's device-side assert, less readably).
+        if idx.device.type == 'cpu' and not torch.compiler.is_compiling():
+            lo, hi = torch.aminmax(idx)
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
         cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
         lpb = self.config.layers_per_block
         site_stats = {}
@@ -470,6 +481,8 @@ class GPT(nn.Module):
             raise ValueError(f"{path} does not match a Qwen3 model of this shape: missing tensors {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}")
         for k, t in tensors.items():
+            if k.endswith('_res_gate'):
+                tensors[k] = t = t.reshape(-1)      # 0-dim in directories written before the gates were 1-dim
             if t.shape != own[k].shape:
                 raise ValueError(f"tensor {k} has shape {tuple(t.shape)} in {path}, expected {tuple(own[k].shape)}")
         with torch.no_grad():
@@ -514,7 +527,7 @@ class GPT(nn.Module):
     # -------------------------------------------------------------------------
     # Training helpers, as in nanoGPT
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, routing_lr_scale=1.0):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, routing_lr_scale=1.0):
         """AdamW over the parameters that require grad. Weight decay only on matmul weights: not on norms,
         biases or the routing parameters (a decayed query is pulled back to uniform routing). Every group
         carries an 'lr_scale' that train.py multiplies the scheduled learning rate by: the routing
@@ -528,7 +541,8 @@ class GPT(nn.Module):
                   {'params': no_decay, 'weight_decay': 0.0, 'lr_scale': 1.0},
                   {'params': routing, 'weight_decay': 0.0, 'lr_scale': routing_lr_scale}]
         groups = [dict(g, lr=learning_rate * g['lr_scale']) for g in groups if g['params']]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
+        # fused (one kernel per step, CPU and GPU alike): it can skip a step on the device (train.py's found_inf)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
     def routing_sources(self):
         """Number of sources each routing site sees, in forward order (for the FLOP count)."""
@@ -553,7 +567,16 @@ class GPT(nn.Module):
         routing = 3 * sum(4 * n * cfg.n_embd for n in self.routing_sources())
         return 6 * matmul_params + attention + routing
 
-    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=989e12):
-        """Model FLOPs utilisation: achieved FLOP/s over peak_flops (default: H100 BF16 dense)."""
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops):
+        """Model FLOPs utilisation: achieved FLOP/s over peak_flops (e.g. device_peak_flops(name))."""
         flops = self.flops_per_token(self.config.block_size) * self.config.block_size * fwdbwd_per_iter
         return flops / dt / peak_flops
+
+
+# dense BF16 tensor-core peak FLOP/s per GPU (vendor data sheets), for MFU in train.py and bench.py
+PEAK_FLOPS = [('H100 PCIe', 756e12), ('H100', 989e12), ('H200', 989e12), ('H800', 989e12), ('A100', 312e12)]
+
+
+def device_peak_flops(device_name):
+    """The first PEAK_FLOPS entry whose key is part of the device name (torch.cuda.get_device_name), or None."""
+    return next((flops for key, flops in PEAK_FLOPS if key in device_name), None)

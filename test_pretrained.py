@@ -77,7 +77,7 @@ def test_identity_init_is_exact_and_can_learn(hf_dir, mode):
         assert (plain(x)[0] - ref).abs().max().item() > 1e-5
 
     # step 0: only the gates have a gradient (the routed mix is multiplied by 0) ...
-    opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu')
+    opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95))
     _, loss = model(x, y)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if '_res_' in n}
@@ -309,7 +309,7 @@ def trained_runs(tmp_path_factory):
         cfg = GPTConfig(vocab_size=320, block_size=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=32, head_dim=8,
                         intermediate_size=64, residual=mode, n_blocks=2)
         model = GPT(cfg)
-        opt = model.configure_optimizers(0.0, 1e-2, (0.9, 0.95), 'cpu')
+        opt = model.configure_optimizers(0.0, 1e-2, (0.9, 0.95))
         loader = data.ShardLoader(str(data_dir), 'train', 8, 64)
         for step in range(25):
             (x, y), = loader.train_batches()
