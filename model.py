@@ -69,6 +69,12 @@ class GPTConfig:
         # block k is layers [k*lpb, (k+1)*lpb); the last block may be shorter
         return math.ceil(self.n_layer / self.n_blocks)
 
+    @property
+    def official(self):
+        # variant='official' changes the bookkeeping of the additive modes only (see GPT.forward);
+        # for standard, attnres and full_attnres the authors' code computes the papers' definitions
+        return self.variant == 'official' and RESIDUAL_MODES[self.residual][1] == 'add'
+
 
 # -----------------------------------------------------------------------------
 # The routing rule. One routing site = a pseudo-query w (a bias-free Linear(d, 1), zero-init) and an
@@ -114,8 +120,29 @@ def route_fast(sources, rinvs, proj, norm):
         dtype = torch.promote_types(dtype, s.dtype)
     if torch.is_autocast_enabled(sources[0].device.type):
         dtype = torch.get_autocast_dtype(sources[0].device.type)
-    out, alpha = _Route.apply(u, *rinvs, *sources)
+    tensors = (u, *rinvs, *sources)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        out, alpha = _Route.apply(*tensors)
+    else:
+        # Nothing to differentiate (evaluation, sampling): the same math without the autograd.Function.
+        # Besides saving nothing for a backward that never comes, this keeps torch.compile off a dynamo
+        # path that breaks here: without gradients dynamo calls forward() itself and guesses from the
+        # argument count whether it takes ctx, which for forward(ctx, u, *rinvs_and_sources) at a
+        # one-source site (3 arguments) guesses wrong and shifts every argument by one.
+        out, alpha, _ = _route_forward(u, rinvs, sources)
     return out.to(dtype), alpha
+
+
+def _route_forward(u, rinvs, sources):
+    """-> (out, alpha, lse): logits_i = (s_i . u) r_i, alpha = softmax_i(logits), out = sum_i alpha_i s_i, in fp32."""
+    with torch.autocast(sources[0].device.type, enabled=False):
+        logits = torch.stack([(s.float() @ u) * r for s, r in zip(sources, rinvs)])   # (N, B, T)
+        lse = logits.logsumexp(0)
+        alpha = (logits - lse).exp()
+        out = alpha[0].unsqueeze(-1) * sources[0]
+        for a, s in zip(alpha[1:], sources[1:]):
+            out = out.addcmul_(a.unsqueeze(-1), s)
+    return out, alpha, lse
 
 
 class _Route(torch.autograd.Function):
@@ -125,13 +152,7 @@ class _Route(torch.autograd.Function):
     def forward(ctx, u, *rinvs_and_sources):
         n = len(rinvs_and_sources) // 2
         rinvs, sources = rinvs_and_sources[:n], rinvs_and_sources[n:]
-        with torch.autocast(sources[0].device.type, enabled=False):
-            logits = torch.stack([(s.float() @ u) * r for s, r in zip(sources, rinvs)])   # (N, B, T)
-            lse = logits.logsumexp(0)
-            alpha = (logits - lse).exp()
-            out = alpha[0].unsqueeze(-1) * sources[0]
-            for a, s in zip(alpha[1:], sources[1:]):
-                out = out.addcmul_(a.unsqueeze(-1), s)
+        out, alpha, lse = _route_forward(u, rinvs, sources)
         ctx.save_for_backward(u, lse, *rinvs, *sources)
         ctx.mark_non_differentiable(alpha)
         return out, alpha
@@ -246,26 +267,25 @@ class MLP(nn.Module):
 
 class Layer(nn.Module):
     """One decoder layer = two sublayers, f_attn(x) = attn(norm(x)) and f_mlp(x) = mlp(norm(x)),
-    each with its own routing site (pseudo-query + key norm) unless the mode is 'standard'.
-    The residual bookkeeping lives in GPT.forward, so that one loop serves every mode."""
+    each with its own routing site (pseudo-query + key norm) unless the mode is 'standard' (or the
+    site is the official variant's unrouted first attention). The residual bookkeeping lives in
+    GPT.forward, so that one loop serves every mode."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, index):
         super().__init__()
         d = cfg.n_embd
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
-        if cfg.residual != 'standard':
-            self.attn_res_proj = nn.Linear(d, 1, bias=False)
-            self.attn_res_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
-            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
-            self.mlp_res_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
-        if cfg.res_gate:
-            # 1 = the plain additive mode; GPT.from_qwen3(..., identity_init=True) sets 0 (see there).
-            # Shape (1,), not a 0-dim scalar: FSDP2 shards every parameter along dim 0 and refuses scalars.
-            self.attn_res_gate = nn.Parameter(torch.ones(1))
-            self.mlp_res_gate = nn.Parameter(torch.ones(1))
+        routed = [] if cfg.residual == 'standard' else ['mlp'] if cfg.official and index == 0 else ['attn', 'mlp']
+        for kind in routed:
+            self.add_module(f'{kind}_res_proj', nn.Linear(d, 1, bias=False))
+            self.add_module(f'{kind}_res_norm', nn.RMSNorm(d, eps=cfg.rms_norm_eps))
+            if cfg.res_gate:
+                # 1 = the plain additive mode; GPT.from_qwen3(..., identity_init=True) sets 0 (see there).
+                # Shape (1,), not a 0-dim scalar: FSDP2 shards every parameter along dim 0 and refuses scalars.
+                self.register_parameter(f'{kind}_res_gate', nn.Parameter(torch.ones(1)))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # checkpoints written before the gates became 1-dim hold them as 0-dim scalars: the same value
@@ -294,7 +314,7 @@ class GPT(nn.Module):
         self.config = config
         self.granularity, self.mixing = RESIDUAL_MODES[config.residual]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.n_layer))
+        self.layers = nn.ModuleList(Layer(config, i) for i in range(config.n_layer))
         self.norm = nn.RMSNorm(config.n_embd, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -338,7 +358,9 @@ class GPT(nn.Module):
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
         cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
-        lpb = self.config.layers_per_block
+        official = self.config.official
+        # the layers that open a block (sublayer modes: only the first layer, for the official variant)
+        lpb = self.config.layers_per_block if self.granularity == 'block' else self.config.n_layer
         site_stats = {}
 
         rinvs = []              # route_fast: 1/rms of sources[i], computed once for all later sites
@@ -359,24 +381,30 @@ class GPT(nn.Module):
 
         E = self.embed_tokens(idx)
         h = E                   # the ordinary residual stream (standard and Delta modes)
-        sources = [E]           # completed sources: [E, v_0, v_1, ...] or [E, b_1, b_2, ...]
+        sources = [] if official else [E]   # completed sources: [E, v_0, v_1, ...] or [E, b_1, b_2, ...]
         partial = None          # block modes: sum of the current block's sublayer outputs so far
         for i, layer in enumerate(self.layers):
             for kind, f, proj, norm, gate in layer.sublayers(cos, sin, None if kv_cache is None else kv_cache.layers[i]):
-                if self.mixing is None:
-                    x = h
+                opens_block = kind == 'attn' and i % lpb == 0
+                if proj is None:
+                    x = h                                              # no routing site here
                 else:
-                    if self.granularity == 'block' and kind == 'attn' and i % lpb == 0 and partial is not None:
+                    if self.granularity == 'block' and opens_block and partial is not None:
                         sources.append(partial)                        # block boundary: close the block
                         partial = None
                     routed = mix(f'layers.{i}.{kind}', proj, norm)
                     x = routed if self.mixing == 'replace' else h + (routed if gate is None else gate * routed)
                 v = f(x)
+                if official and opens_block:
+                    # The authors' code (variant='official') closes a block only now, after the next
+                    # block's first attention has routed without it, and stores h - (previous source)
+                    # instead of the block's delta; the first such source is E itself.
+                    sources.append(h - sources[-1] if sources else h)
                 if self.mixing != 'replace':
                     h = h + v                                          # the residual stream is kept
                 if self.granularity == 'sublayer':
                     sources.append(v)
-                elif self.granularity == 'block':
+                elif self.granularity == 'block' and not official:     # official: the open block is no source
                     partial = v if partial is None else partial + v    # = h(now) - h(block start) in Delta Block
         if self.mixing == 'replace':
             h = mix('final', self.final_res_proj, self.final_res_norm)
@@ -555,6 +583,8 @@ class GPT(nn.Module):
             counts = [1 + i // lpb + (kind == 'mlp' or i % lpb != 0) for i in range(cfg.n_layer) for kind in ('attn', 'mlp')]
         if self.mixing == 'replace':   # the final site also sees the last sublayer's output
             counts.append(counts[-1] + (self.granularity == 'sublayer'))
+        if self.config.official:       # the first attention is not routed; Delta Block's open block is no source
+            counts = [n - (self.granularity == 'block') for n in counts[1:]]
         return counts
 
     def flops_per_token(self, T):

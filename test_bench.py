@@ -94,9 +94,10 @@ def model_and_tokens(mode, device='cpu', **kw):
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('n_blocks', [2, 5])
-@pytest.mark.parametrize('mode', ROUTED)
+@pytest.mark.parametrize('mode', ROUTED + ['delta_attnres+official', 'delta_block+official'])
 def test_model_fast_equals_naive(mode, n_blocks, device):
-    model, idx = model_and_tokens(mode, device, n_blocks=n_blocks)
+    residual, *official = mode.split('+')
+    model, idx = model_and_tokens(residual, device, n_blocks=n_blocks, variant='official' if official else 'paper')
     logits_n, grads_n = loss_and_grads(model, idx, fast=False)
     logits_f, grads_f = loss_and_grads(model, idx, fast=True)
     assert (logits_f - logits_n).abs().max() <= 1e-5 * logits_n.abs().max()
@@ -175,6 +176,33 @@ def test_compiled_equals_eager_one_graph(mode, backend, device):
     assert (logits_c - logits_e).abs().max() <= 1e-4 * logits_e.abs().max()
     for name, p in model.named_parameters():
         assert (p.grad - grads_e[name]).abs().max() <= 1e-3 * grads_e[name].abs().max().clamp_min(1e-12), name
+
+
+# Evaluation, sampling and any inference run the compiled model without gradients. There dynamo
+# takes another path through autograd.Function than in training (it calls forward() itself), which
+# once crashed every compiled run at its step-0 evaluation while the training-step test above passed.
+NO_GRAD_CONTEXTS = {'no_grad': torch.no_grad, 'inference_mode': torch.inference_mode,
+                    'frozen': torch.enable_grad}   # frozen: gradients on, but no parameter requires one
+
+
+@pytest.mark.parametrize('context', NO_GRAD_CONTEXTS)
+@pytest.mark.parametrize('mode', MODES)
+def test_compiled_without_gradients_equals_eager(mode, context):
+    import torch._dynamo
+    torch._dynamo.reset()
+    model, idx = model_and_tokens(mode, n_layer=3)
+    if context == 'frozen':
+        model.requires_grad_(False)
+    with NO_GRAD_CONTEXTS[context]():
+        logits_e, _ = model(idx)
+        compiled = torch.compile(model, fullgraph=True, backend='aot_eager')
+        torch._dynamo.utils.counters.clear()
+        for _ in range(2):
+            logits_c, _ = compiled(idx)
+        _, _, stats = compiled(idx, stats=True)   # the routing statistics report.py reads
+    assert torch._dynamo.utils.counters['stats']['unique_graphs'] == 2   # plain and stats=True, no recompile
+    assert (logits_c - logits_e).abs().max() <= 1e-5 * logits_e.abs().max()
+    assert len(stats) == len(model.routing_sources())
 
 
 TINY_BENCH = ['--n_layer=2', '--n_embd=32', '--n_head=2', '--n_kv_head=1', '--head_dim=16',

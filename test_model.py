@@ -136,6 +136,64 @@ def test_reference_detects_other_source_sets(mode):
                 assert (reference_forward(twin, idx) - logits).abs().max() > 1e-3
 
 
+# variant='official': the authors' code (wdlctc/delta-attention-residuals-code,
+# modeling_qwen3_attnres.py), as issue 10 describes its loop, again with plain lists. Per layer l
+# (lpb = ceil(L / n_blocks)): attention x = h + R(blocks) if blocks else h; if l % lpb == 0 the block
+# list grows by h (when empty) or h - blocks[-1], AFTER the attention routed; h += a; then the MLP
+# x = h + R(blocks). Delta AttnRes: the first attention reads h, then E and every sublayer output join.
+
+def reference_forward_official(model, idx):
+    cfg = model.config
+    lpb = math.ceil(cfg.n_layer / cfg.n_blocks)
+    cos, sin = model_module.rope_tables(cfg.head_dim, idx.shape[1], cfg.rope_theta)
+    E = model.embed_tokens.weight[idx]
+    R = lambda srcs, layer, kind: ref_route(srcs, getattr(layer, f'{kind}_res_proj'), getattr(layer, f'{kind}_res_norm'))
+    h, srcs = E, []
+    for l, layer in enumerate(model.layers):
+        attn = lambda x: layer.self_attn(layer.input_layernorm(x), cos, sin)
+        mlp = lambda x: layer.mlp(layer.post_attention_layernorm(x))
+        a = attn(h + R(srcs, layer, 'attn') if srcs else h)
+        if cfg.residual == 'delta_block':
+            if l % lpb == 0:
+                srcs = srcs + [h - srcs[-1] if srcs else h]
+            h = h + a
+            h = h + mlp(h + R(srcs, layer, 'mlp'))
+        else:   # delta_attnres
+            srcs = srcs + ([E] if l == 0 else []) + [a]
+            h = h + a
+            m = mlp(h + R(srcs, layer, 'mlp'))
+            srcs, h = srcs + [m], h + m
+    return model.lm_head(model.norm(h))
+
+
+@pytest.mark.parametrize('n_blocks', [2, 3, 5])
+@pytest.mark.parametrize('mode', ['delta_attnres', 'delta_block'])
+def test_official_variant_matches_its_reference(mode, n_blocks):
+    model = make_model(mode, n_blocks=n_blocks, variant='official')
+    assert 'layers.0.attn_res_proj.weight' not in model.state_dict()     # the first attention is not routed
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, _ = model(idx)
+        ref = reference_forward_official(model, idx)
+        _, _, stats = model(idx, stats=True)
+    assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert [len(s['weights']) for s in stats.values()] == model.routing_sources()
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_variants_differ_only_in_the_delta_modes(mode):
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    paper, official = make_model(mode, n_blocks=2), make_model(mode, n_blocks=2, variant='official')
+    official.load_state_dict(paper.state_dict(), strict=False)   # official has no first-attention site
+    with torch.no_grad():
+        gap = (paper(idx)[0] - official(idx)[0]).abs().max() / paper(idx)[0].abs().max()
+    if RESIDUAL_MODES[mode][1] == 'add':
+        # delta_attnres differs only at the first attention (x = E, not E + E: pre-norm hides it up to eps)
+        assert gap > (1e-4 if mode == 'delta_attnres' else 0.1), gap
+    else:
+        assert gap == 0
+
+
 def test_routing_weights_are_uniform_at_zero_query():
     for mode in ROUTED:
         torch.manual_seed(0)

@@ -131,10 +131,11 @@ def test_identity_holds_on_a_trained_checkpoint(trained_dir):
 # -----------------------------------------------------------------------------
 # KV cache
 
-@pytest.mark.parametrize('mode', MODES + ['delta_block+gate'])
+@pytest.mark.parametrize('mode', MODES + ['delta_block+gate', 'delta_block+official', 'delta_attnres+official'])
 def test_kv_cache_matches_full_forward(mode):
-    gate = mode.endswith('+gate')
-    model = randomize_gates(make_model(mode.removesuffix('+gate'), n_blocks=2, res_gate=gate))
+    residual, *flags = mode.split('+')
+    model = randomize_gates(make_model(residual, n_blocks=2, res_gate='gate' in flags,
+                                       variant='official' if 'official' in flags else 'paper'))
     idx = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(3))
     cache = KVCache(model.config.n_layer)
     with torch.no_grad():
