@@ -180,6 +180,46 @@ def test_official_variant_matches_its_reference(mode, n_blocks):
     assert [len(s['weights']) for s in stats.values()] == model.routing_sources()
 
 
+def reference_forward_causes(model, idx, telescoping, lag, no_open_block, unrouted_first):
+    """Delta Block with each of docs/fidelity.md's four differences switched on separately: all off is
+    the paper, all on the authors' code. Measure each cause with `python test_model.py`."""
+    cfg = model.config
+    lpb = math.ceil(cfg.n_layer / cfg.n_blocks)
+    cos, sin = model_module.rope_tables(cfg.head_dim, idx.shape[1], cfg.rope_theta)
+    E = model.embed_tokens.weight[idx]
+    h, srcs, start, fresh = E, [] if unrouted_first else [E], 0 * E if unrouted_first else E, True
+
+    def close():                                   # the open block becomes a source
+        nonlocal start, fresh
+        srcs.append((h - srcs[-1] if srcs else h) if telescoping else h - start)
+        start, fresh = h, True
+    for l, layer in enumerate(model.layers):
+        opens = l % lpb == 0
+        if opens and l > 0 and not lag:
+            close()
+        s = srcs + ([] if no_open_block or fresh else [h - start])
+        x = h + ref_route(s, layer.attn_res_proj, layer.attn_res_norm) if s else h
+        a = layer.self_attn(layer.input_layernorm(x), cos, sin)
+        if opens and (l > 0 and lag or l == 0 and unrouted_first):
+            close()
+        h, fresh = h + a, False
+        x = h + ref_route(srcs + ([] if no_open_block else [h - start]), layer.mlp_res_proj, layer.mlp_res_norm)
+        h = h + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.norm(h))
+
+
+@pytest.mark.parametrize('n_blocks', [2, 3, 5])
+def test_the_four_causes_together_are_the_official_variant(n_blocks):
+    paper = make_model('delta_block', n_blocks=n_blocks)
+    official = make_model('delta_block', n_blocks=n_blocks, variant='official')
+    official.load_state_dict(paper.state_dict(), strict=False)
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for flags, target in (((0, 0, 0, 0), paper), ((1, 1, 1, 1), official)):
+            ref = target(idx)[0]
+            assert (reference_forward_causes(paper, idx, *flags) - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 @pytest.mark.parametrize('mode', MODES)
 def test_variants_differ_only_in_the_delta_modes(mode):
     idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -433,3 +473,18 @@ def test_from_qwen3_errors(tmp_path):
     (tmp_path / 'model.safetensors').unlink()
     with pytest.raises(ValueError, match='neither model.safetensors'):
         GPT.from_qwen3(tmp_path)
+
+
+if __name__ == '__main__':
+    # docs/fidelity.md's table: how far each cause alone moves Delta Block's logits from the paper's
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    names = ['telescoping', 'lag', 'no open block', 'unrouted first attention']
+    for n_blocks in (2, 3, 5):
+        paper = make_model('delta_block', n_blocks=n_blocks)
+        with torch.no_grad():
+            P = paper(idx)[0]
+            rel = lambda flags: ((reference_forward_causes(paper, idx, *flags) - P).abs().max() / P.abs().max()).item()
+            alone = [rel([int(i == k) for i in range(4)]) for k in range(4)]
+            cumulative = [rel(f) for f in ((0, 0, 0, 1), (0, 0, 1, 1), (0, 1, 1, 1), (1, 1, 1, 1))]
+        print(f"n_layer 5, n_blocks {n_blocks}: " + ', '.join(f"{n} {a:.3f}" for n, a in zip(names, alone))
+              + f" | cumulative 4, +3, +2, +1: {', '.join(f'{c:.3f}' for c in cumulative)}")

@@ -90,6 +90,20 @@ def test_every_mode_lowers_the_loss(corpus, tmp_path, residual):
                                                                       abs=0.02)  # zero-init queries: uniform
 
 
+def test_the_authors_training_settings(corpus, tmp_path):
+    # variant='official' + the settings where the authors' training differs: normal-init queries and
+    # BF16 weights. learning_rate 0 keeps the initial weights, so the checkpoint shows the init itself.
+    train(corpus, tmp_path, '--residual=delta_block', '--variant=official', '--routing_init_std=0.02',
+          '--param_dtype=bfloat16', '--dtype=bfloat16', '--max_iters=2', '--eval_interval=2',
+          '--learning_rate=0', '--min_lr=0')
+    ckpt = torch.load(tmp_path / 'ckpt.pt', weights_only=False)
+    assert ckpt['model_config']['variant'] == 'official'
+    assert {t.dtype for t in ckpt['model'].values()} == {torch.bfloat16}
+    queries = torch.cat([t.flatten().float() for k, t in ckpt['model'].items() if k.endswith('_res_proj.weight')])
+    assert 'layers.0.attn_res_proj.weight' not in ckpt['model']          # the unrouted first attention
+    assert len(queries) == 3 * 32 and 0.014 < queries.std().item() < 0.026 and queries.abs().min() > 0
+
+
 def test_resume_is_bitwise_and_nonfinite_loss_stops(corpus, tmp_path):
     common = ['--lr_decay_iters=6', '--eval_interval=3']
     _, full = train(corpus, tmp_path / 'full', '--max_iters=6', *common)

@@ -65,6 +65,7 @@ tie_embeddings = True
 residual = 'standard'       # one of model.RESIDUAL_MODES
 n_blocks = 4
 variant = 'paper'           # 'paper': the papers' definitions; 'official': the authors' code as run (see model.py)
+routing_init_std = 0.0      # routing queries at init: 0 = uniform routing (the papers); the authors' code: 0.02
 res_gate = False            # additive modes: x = h + gate * routed; with a Qwen3 init_from the gates start at 0,
                             # so the converted model is exactly the pretrained one (see GPT.from_qwen3)
 # AdamW
@@ -84,6 +85,7 @@ min_lr = 6e-5
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # 'bfloat16' = autocast, fp32 master weights
+param_dtype = 'float32'     # 'bfloat16': the weights and AdamW state themselves in BF16, as the authors' code trains
 compile = torch.cuda.is_available()
 fsdp = False                # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
 activation_checkpointing = False  # recompute attention and MLP activations in the backward pass
@@ -104,6 +106,10 @@ if freeze_base and residual == 'standard':
     raise ValueError("freeze_base=True leaves nothing to train: the 'standard' mode has no routing parameters")
 if dtype not in ('float32', 'bfloat16'):
     raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16' (float16 would need loss scaling)")
+if param_dtype not in ('float32', 'bfloat16'):
+    raise ValueError(f"param_dtype={param_dtype!r}: expected 'float32' or 'bfloat16'")
+if routing_init_std < 0:
+    raise ValueError(f"routing_init_std={routing_init_std}: expected >= 0 (0 = zero queries, uniform routing)")
 
 # processes: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them this is a single process
 ddp = 'RANK' in os.environ
@@ -183,6 +189,16 @@ else:
     if master:
         print(f"fine-tuning {init_from} as {residual}" + (" (zero gates: exactly the pretrained model at step 0)"
                                                            if res_gate else ""))
+if init_from == 'scratch' and routing_init_std > 0:
+    with torch.no_grad():   # as the authors' code leaves them: Hugging Face's normal init, not zero
+        for name, p in model.named_parameters():
+            if name.endswith('_res_proj.weight'):
+                p.normal_(0.0, routing_init_std)
+if param_dtype == 'bfloat16':
+    # parameters only: the RoPE tables stay fp32. The optimizer then updates BF16 weights directly, so
+    # updates smaller than a weight's rounding step (2^-8 relative) are lost: the authors' recipe, not ours.
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
 if freeze_base:
     for name, p in model.named_parameters():
         p.requires_grad_('_res_' in name)

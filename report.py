@@ -1,0 +1,399 @@
+"""
+Compare train.py runs: one markdown table of the modes, and with --out the figures behind it.
+
+    python report.py out/study/*                          # print the table
+    python report.py out/study/* --out=results/study      # + table.md, val_loss.png, max_weight.png, heatmap_*.png
+    python report.py out/convert_* --recover_pct=1        # runs fine-tuned from a checkpoint: + the conversion table
+
+Each RUN_DIR is a train.py out_dir: log.jsonl (the numbers) and ckpt.pt (the settings, and the final
+weights for the routing measurement). Runs whose settings differ only in `seed` (and `out_dir`,
+`wandb_run_name`) are one group: a row of the table gives the mean +- the sample standard deviation over
+its seeds. The figures (matplotlib, imported only with --out):
+  val_loss.png     validation loss against step, one color per group (thin: each seed; thick: their mean)
+  max_weight.png   the papers' sharpness figure: the mean over tokens of the largest routing weight at
+                   each sublayer, by depth, one curve per routed group (mean over seeds)
+  heatmap_*.png    per routed group: the mean weight of each source (E, then sublayer outputs or
+                   blocks) at each routing site (mean over seeds)
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model import RESIDUAL_MODES
+
+# Settings that name or label a run without changing what it computes: runs differing only in these are seeds
+# of one experiment. `seed` sets the initial weights and the data order (data.ShardLoader).
+PER_RUN = ('seed', 'out_dir', 'wandb_run_name')
+# Settings that belong to a residual mode: a mode's baseline is the standard run that agrees on everything else.
+MODE_KEYS = ('residual', 'variant', 'n_blocks', 'res_gate', 'routing_learning_rate', 'freeze_base')
+
+
+def load_run(run_dir):
+    """One train.py out_dir -> {'dir', 'config', 'val': {step: val_loss}, 'train': [log records of train steps], ...}."""
+    run_dir = Path(run_dir)
+    log, ckpt = run_dir / 'log.jsonl', run_dir / 'ckpt.pt'
+    for f in (log, ckpt):
+        if not f.is_file():
+            raise FileNotFoundError(f"{run_dir} is not a finished train.py out_dir: {f.name} is missing "
+                                    f"(expected log.jsonl and ckpt.pt)")
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    val = {r['step']: r['val_loss'] for r in records if 'val_loss' in r}
+    if not val:
+        raise ValueError(f"{log} has no evaluation yet (no val_loss record)")
+    # mmap: the pickled settings are read, the weights are only mapped (a 8B checkpoint loads in milliseconds)
+    config = torch.load(ckpt, map_location='cpu', weights_only=False, mmap=True)['config']
+    config = {'variant': 'paper', **config}   # runs from before the setting existed ran the papers' definitions
+    return dict(dir=run_dir, config=config, val=val, train=[r for r in records if 'tok_per_s' in r],
+                records=records, routing=None)
+
+
+def group_runs(runs):
+    """[{'config': the settings without PER_RUN, 'runs': [...]}], in the order groups first appear."""
+    groups = {}
+    for run in runs:
+        key = tuple(sorted((k, v) for k, v in run['config'].items() if k not in PER_RUN))
+        groups.setdefault(key, dict(config=dict(key), runs=[]))['runs'].append(run)
+    return list(groups.values())
+
+
+def is_conversion(config):
+    """Initialised from a pretrained checkpoint directory (train.py's init_from), not from scratch."""
+    return config['init_from'] not in ('scratch', 'resume')
+
+
+# -----------------------------------------------------------------------------
+# routing: {site: {'max_weight': mean over tokens of max_i alpha_i, 'weights': mean alpha_i per source}}
+
+def routing_from_log(run):
+    """The routing of the last logged step: one training micro-batch, weights as they were before the last update."""
+    last = [r['routing'] for r in run['records'] if r.get('routing')]
+    return last[-1] if last else None
+
+
+@torch.no_grad()
+def stats_from_model(model, batches):
+    """The mean of forward(stats=True) over equally sized batches of token ids."""
+    model.eval()
+    total = {}
+    for x in batches:
+        _, _, stats = model(x, stats=True)
+        for site, s in stats.items():
+            acc = total.setdefault(site, {'max_weight': 0.0, 'weights': 0.0})
+            acc['max_weight'] += s['max_weight'].item() / len(batches)
+            acc['weights'] += s['weights'].double().cpu().numpy() / len(batches)
+    return {site: {'max_weight': a['max_weight'], 'weights': a['weights'].tolist()} for site, a in total.items()}
+
+
+def routing_from_val(run, batches, data_root=None, device='cpu'):
+    """The final checkpoint's routing on the first `batches` val batches of the run's own dataset."""
+    from data import ShardLoader
+    from sample import load_model
+    cfg = run['config']
+    data_dir = os.path.join(data_root or cfg['data_root'], cfg['dataset'])
+    if not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"{run['dir']} was trained on {data_dir}, which is not here: pass --data_root=<folder "
+                                f"holding {cfg['dataset']}/> or --routing=log")
+    model, _ = load_model('resume', str(run['dir']))
+    loader = ShardLoader(data_dir, 'val', cfg['batch_size'], cfg['block_size'])
+    xs = [torch.from_numpy(x).to(device) for x, _ in loader.val_batches(batches)]
+    return stats_from_model(model.to(device), xs)
+
+
+def depth_sites(stats):
+    """The sublayer sites with more than one source, in depth order. Left out: the first sublayer, which
+    routes over E alone (weight 1 by definition, as train.py's routing_summary leaves it out), and the
+    replacement modes' 'final' site, which the Delta modes do not have (like is compared with like)."""
+    return [s for s in stats if s != 'final' and len(stats[s]['weights']) > 1]
+
+
+def sharpness(stats):
+    """(mean max weight over depth_sites, the same over the deepest third of them)."""
+    mw = [stats[s]['max_weight'] for s in depth_sites(stats)]
+    return float(np.mean(mw)), float(np.mean(mw[-max(1, len(mw) // 3):]))
+
+
+def mean_stats(all_stats):
+    """Per site, the mean over seeds of max_weight and of each source's weight."""
+    return {site: {'max_weight': float(np.mean([s[site]['max_weight'] for s in all_stats])),
+                   'weights': np.mean([s[site]['weights'] for s in all_stats], axis=0).tolist()}
+            for site in all_stats[0]}
+
+
+# -----------------------------------------------------------------------------
+# the tables
+
+def spread(values, digits):
+    """'mean ± sample std' (the mean alone for one value)."""
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def settings(group, varying):
+    """'key=value ...' of the varying settings that apply to this group's mode (paths by their last part)."""
+    cfg = group['config']
+    short = lambda v: Path(v).name if isinstance(v, str) and os.sep in v else v
+    return ' '.join(f"{k}={short(cfg.get(k))}" for k in varying if applies(k, cfg['residual']))
+
+
+def applies(key, residual):
+    """Whether a setting changes what a run of this residual mode computes."""
+    granularity, mixing = RESIDUAL_MODES[residual]
+    if key == 'n_blocks':
+        return granularity == 'block'
+    if key == 'res_gate':
+        return mixing == 'add'
+    return key not in MODE_KEYS or granularity is not None
+
+
+def summarize(group):
+    """The numbers of one row: per seed, then mean (and spread) over seeds."""
+    runs = group['runs']
+    final = [r['val'][max(r['val'])] for r in runs]
+    tok_s = [np.mean([t['tok_per_s'] for t in r['train'][1:]]) for r in runs if len(r['train']) > 1]
+    mem = [max(t['mem_gib'] for t in r['train']) for r in runs if r['train']]
+    routed = [r['routing'] for r in runs if r['routing']]
+    return dict(steps=sorted({max(r['val']) for r in runs}), loss=final, ppl=[math.exp(v) for v in final],
+                tok_s=float(np.mean(tok_s)) if tok_s else None, mem=float(np.mean(mem)) if mem else None,
+                sharp=[sharpness(s) for s in routed], stats=mean_stats(routed) if routed else None)
+
+
+def baseline_of(group, groups):
+    """The standard group that agrees with this one on every setting outside MODE_KEYS (same shape, data, schedule)."""
+    same = lambda g: all(g['config'].get(k) == v for k, v in group['config'].items() if k not in MODE_KEYS)
+    return next((g for g in groups if g['config']['residual'] == 'standard' and same(g)), None)
+
+
+def main_table(groups, varying):
+    rows = []
+    for g in groups:
+        s, cfg, ref = g['summary'], g['config'], baseline_of(g, groups)
+        delta = ('—' if ref is g or ref is None else
+                 f"{100 * (statistics.fmean(s['ppl']) / statistics.fmean(ref['summary']['ppl']) - 1):+.2f}")
+        sharp = ['—', '—'] if not s['sharp'] else [spread([x[i] for x in s['sharp']], 3) for i in (0, 1)]
+        rows.append([cfg['residual'], cfg['variant'], f"{cfg['n_layer']}×{cfg['n_embd']}", str(len(g['runs'])),
+                     '/'.join(map(str, s['steps'])), spread(s['loss'], 4), spread(s['ppl'], 2), delta,
+                     '—' if s['tok_s'] is None else f"{s['tok_s']:,.0f}", '—' if s['mem'] is None else f"{s['mem']:.2f}",
+                     *sharp] + ([settings(g, varying)] if varying else []))
+    head = ['mode', 'variant', 'layers×width', 'seeds', 'steps', 'val loss', 'val ppl', 'Δ% ppl vs standard',
+            'tok/s', 'mem GiB', 'max weight', 'max weight, deep third'] + (['settings'] if varying else [])
+    return markdown(head, rows)
+
+
+def conversion_table(groups, baseline, pct):
+    """Runs initialised from a pretrained checkpoint: the loss at step 0, at the end, and when it is back
+    within pct% of the pretrained model's (that of the standard fine-tune at step 0, or --baseline)."""
+    rows, pretrained = [], {}
+    for g in groups:
+        init = g['config']['init_from']
+        if init not in pretrained:
+            ref = [x for x in groups if x['config']['init_from'] == init and x['config']['residual'] == 'standard'
+                   and all(0 in r['val'] for r in x['runs'])]
+            pretrained[init] = baseline if baseline is not None else \
+                statistics.fmean(r['val'][0] for r in ref[0]['runs']) if ref else None
+        ref = pretrained[init]
+        steps = sorted(set.intersection(*(set(r['val']) for r in g['runs'])))  # the steps every seed evaluated
+        curve = {t: statistics.fmean(r['val'][t] for r in g['runs']) for t in steps}
+        back = '—' if ref is None else next((str(t) for t in steps if curve[t] <= ref * (1 + pct / 100)),
+                                             f"not by {steps[-1]}")
+        rows.append([g['label'], g['config']['residual'], str(g['config']['res_gate']), str(len(g['runs'])),
+                     '—' if 0 not in curve else f"{curve[0]:.4f}", f"{curve[steps[-1]]:.4f} (step {steps[-1]})", back])
+    head = ['run', 'mode', 'res_gate', 'seeds', 'val loss at step 0', 'final val loss',
+            f'back within {pct:g}% of the pretrained loss at step']
+    return markdown(head, rows), pretrained
+
+
+def markdown(head, rows):
+    return '\n'.join('| ' + ' | '.join(r) + ' |' for r in [head, ['---'] * len(head)] + rows)
+
+
+# -----------------------------------------------------------------------------
+# the figures
+
+def seeds(group):
+    n = len(group['runs'])
+    return f"{n} seed{'s' * (n != 1)}"
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_val_loss(groups, path, pretrained):
+    """All runs, full length and the second half (where the modes separate) zoomed in."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, g in enumerate(groups):
+        color = f'C{i % 10}'
+        steps = sorted(set.intersection(*(set(r['val']) for r in g['runs'])))
+        for ax in axes:
+            for r in g['runs']:
+                ax.plot(sorted(r['val']), [r['val'][t] for t in sorted(r['val'])], color=color, lw=0.7, alpha=0.4)
+            ax.plot(steps, [np.mean([r['val'][t] for r in g['runs']]) for t in steps], color=color, lw=1.8,
+                    label=f"{g['label']} ({seeds(g)})")
+    last = max(max(r['val']) for g in groups for r in g['runs'])
+    tail = [v for g in groups for r in g['runs'] for t, v in r['val'].items() if t >= last / 2]
+    axes[1].set_xlim(last / 2, last * 1.01)
+    axes[1].set_ylim(min(tail) - 0.02 * np.ptp(tail), max(tail) + 0.02 * np.ptp(tail) + 1e-6)
+    for ref in {v for v in pretrained.values() if v is not None}:
+        for ax in axes:
+            ax.axhline(ref, color='k', ls='--', lw=0.8)
+    for ax, title in zip(axes, ('validation loss', 'second half, zoomed')):
+        ax.set_xlabel('step')
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel('val loss (nats/token)')
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_max_weight(groups, path):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, g in enumerate(groups):
+        stats = g['summary']['stats']
+        if stats is None:      # a standard run has no routing: no curve, but its color stays its own
+            continue
+        sites = depth_sites(stats)
+        depth = [2 * int(s.split('.')[1]) + (s.endswith('mlp')) for s in sites]   # sublayer index: 2*layer + (mlp)
+        ax.plot(depth, [stats[s]['max_weight'] for s in sites], color=f'C{i % 10}', marker='o', ms=3,
+                label=f"{g['label']} (mean of {seeds(g)})")
+    ax.set_xlabel('sublayer depth (attention and MLP sublayers, in order)')
+    ax.set_ylabel('mean max routing weight')
+    ax.set_ylim(0, 1)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title('How concentrated the routing is')
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_heatmap(title, stats, path):
+    plt = pyplot()
+    sites = list(stats)
+    n_src = max(len(stats[s]['weights']) for s in sites)
+    grid = np.full((len(sites), n_src), np.nan)       # NaN: this site does not see that source yet
+    for r, s in enumerate(sites):
+        w = stats[s]['weights']
+        grid[r, :len(w)] = w
+    fig, ax = plt.subplots(figsize=(max(5.0, 2.5 + 0.4 * n_src), 1.5 + 0.3 * len(sites)))
+    im = ax.imshow(grid, cmap='viridis', vmin=0, vmax=1, aspect='auto')
+    if grid.size <= 400:   # small enough to print the numbers
+        for (r, c), w in np.ndenumerate(grid):
+            if not np.isnan(w):
+                ax.text(c, r, f'{w:.2f}', ha='center', va='center', fontsize=6, color='w' if w < 0.6 else 'k')
+    ax.set_yticks(range(len(sites)), sites, fontsize=7)
+    ax.set_xticks(range(n_src), ['E'] + [str(i) for i in range(1, n_src)], fontsize=7)
+    ax.set_xlabel('source: E, then sublayer outputs or blocks\n(block modes: the last one a site sees is the partial block)', fontsize=7)
+    ax.set_ylabel('routing site')
+    ax.set_title(f'mean routing weights: {title}', fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('runs', nargs='+', metavar='RUN_DIR', help='train.py out_dirs (log.jsonl and ckpt.pt)')
+    ap.add_argument('--out', help='folder to write table.md and the PNGs to (needs matplotlib)')
+    ap.add_argument('--routing', choices=['val', 'log'], default='val',
+                    help="val: forward passes of each final checkpoint on its dataset's val batches; "
+                         "log: the last logged training step (no model or data needed)")
+    ap.add_argument('--batches', type=int, default=8, help='val batches (of the run\'s batch_size x block_size) for --routing=val')
+    ap.add_argument('--data_root', help="where the runs' datasets are (default: each run's own data_root)")
+    ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', help='for --routing=val')
+    ap.add_argument('--baseline', type=float, help="the pretrained model's val loss, for the conversion table "
+                                                   "(default: the standard fine-tune's loss at step 0)")
+    ap.add_argument('--recover_pct', type=float, default=1.0, help='conversion: "recovered" = within this %% of the baseline')
+    args = ap.parse_args(argv)
+    if args.out:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("report.py --out draws the figures with matplotlib: pip install matplotlib") from None
+
+    runs = [load_run(d) for d in args.runs]
+    routed = [r for r in runs if r['config']['residual'] != 'standard']
+    for i, run in enumerate(routed):
+        if args.routing == 'log':
+            run['routing'] = routing_from_log(run)
+        else:
+            print(f"routing of {run['dir']} on {args.batches} val batches ({i + 1}/{len(routed)})", file=sys.stderr)
+            run['routing'] = routing_from_val(run, args.batches, args.data_root, args.device)
+    order = list(RESIDUAL_MODES)
+    groups = sorted(group_runs(runs), key=lambda g: (g['config']['n_layer'], g['config']['n_embd'],
+                                                     order.index(g['config']['residual']), g['config']['variant']))
+    # the settings that tell groups apart, beyond the table's columns (mode, variant, shape)
+    varying = sorted(k for k in set().union(*(g['config'] for g in groups))
+                     if k not in ('residual', 'variant', 'n_layer', 'n_embd')
+                     and len({repr(g['config'].get(k)) for g in groups}) > 1)
+    shapes = len({(g['config']['n_layer'], g['config']['n_embd']) for g in groups}) > 1
+    for g in groups:
+        cfg = g['config']
+        g['summary'] = summarize(g)
+        g['label'] = ' '.join([cfg['residual']] + [f"({cfg['variant']})"] * (cfg['variant'] != 'paper')
+                              + [f"{cfg['n_layer']}×{cfg['n_embd']}"] * shapes + [settings(g, varying)]).strip()
+
+    how = (f"forward passes of each run's final checkpoint on the first {args.batches} val batches of its dataset"
+           if args.routing == 'val' else "the last logged training step of each run (one micro-batch)")
+    text = [main_table(groups, varying), '',
+            f"Final validation loss and perplexity (the last evaluation of each run): mean ± sample standard deviation "
+            f"over seeds; Δ%: of the mean perplexity against the standard run of the same shape and settings. tok/s: "
+            f"the mean of the logged throughput, the first log record (warm-up, compilation) left out; mem: the peak "
+            f"logged (GPU: max allocated; CPU: the process's max RSS). Max weight: the mean over tokens of the largest "
+            f"routing weight, averaged over the sublayer sites that have more than one source, and over the deepest "
+            f"third of them; measured with {how}; mean ± std over seeds."]
+    conv = [g for g in groups if is_conversion(g['config'])]
+    pretrained = {}
+    if conv:
+        table, pretrained = conversion_table(conv, args.baseline, args.recover_pct)
+        text += ['', '### Conversion', '', table, '',
+                 'Pretrained val loss: ' + '; '.join(f"{k}: {'unknown' if v is None else f'{v:.4f}'}"
+                                                     for k, v in pretrained.items())
+                 + (' (--baseline)' if args.baseline is not None else ' (the standard fine-tune at step 0)')
+                 + '. Steps: of the mean curve over seeds, at the evaluation steps.']
+    text = '\n'.join(text)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ''
+        header = (f"Made by `python {shlex.join(['report.py', *(argv if argv is not None else sys.argv[1:])])}` on "
+                  f"{platform.platform()} ({os.cpu_count()} CPUs{gpu}), torch {torch.__version__}, "
+                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.")
+        (out / 'table.md').write_text(header + '\n\n' + text + '\n')
+        written = ['table.md', 'val_loss.png']
+        plot_val_loss(groups, out / 'val_loss.png', pretrained)
+        if any(g['summary']['stats'] for g in groups):
+            written.append('max_weight.png')
+            plot_max_weight(groups, out / written[-1])
+        for g in groups:
+            if g['summary']['stats']:
+                written.append(f"heatmap_{re.sub(r'[^A-Za-z0-9_.=-]+', '_', g['label'])}.png")
+                plot_heatmap(f"{g['label']}, mean of {seeds(g)}", g['summary']['stats'], out / written[-1])
+        print(f"wrote {', '.join(written)} to {out}", file=sys.stderr)
+
+
+if __name__ == '__main__':
+    main()

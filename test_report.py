@@ -1,0 +1,179 @@
+"""Tests of report.py: on tiny train.py runs (2 modes x 2 seeds) and on hand-written logs."""
+import importlib.util
+import json
+import math
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import report
+from data import ShardLoader
+from test_train import corpus, train, train_defaults  # noqa: F401 (corpus: the fixture)
+
+MODES, SEEDS = ('standard', 'delta_block'), (1, 2)
+
+
+@pytest.fixture(scope='module')
+def runs(corpus, tmp_path_factory):
+    """out_dirs of train.py runs, {(mode, seed): path}: 3 layers (Delta Block over 2 blocks), 6 steps."""
+    root = tmp_path_factory.mktemp('runs')
+    todo = {(m, s): root / f'{m}-{s}' for m in MODES for s in SEEDS}
+    with ThreadPoolExecutor(2) as pool:   # two processes at a time: the machine has 2 cores
+        list(pool.map(lambda k: train(corpus, todo[k], f'--residual={k[0]}', f'--seed={k[1]}', '--n_layer=3',
+                                      '--max_iters=6', '--lr_decay_iters=6', '--eval_interval=3'), todo))
+    return todo
+
+
+def read_log(path):
+    return [json.loads(line) for line in (Path(path) / 'log.jsonl').read_text().splitlines()]
+
+
+def parse(printed):
+    """The first markdown table of the output -> [{column: cell}]."""
+    lines = [l for l in printed.split('\n\n')[0].splitlines() if l.startswith('|')]
+    cells = [[c.strip() for c in l.strip('|').split('|')] for l in lines]
+    return [dict(zip(cells[0], row)) for row in cells[2:]]
+
+
+def spread(values, digits):
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def is_png(path, min_bytes=10_000):
+    data = Path(path).read_bytes()
+    return data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > min_bytes
+
+
+def test_table_equals_the_logs_and_plots_are_written(runs, corpus, tmp_path, capsys):
+    pytest.importorskip('matplotlib')
+    import matplotlib.image
+    out = tmp_path / 'report'
+    # the standard runs first: a run without routing next to routed ones must not stop the routing figures
+    report.main([str(runs[k]) for k in sorted(runs)] + ['--out', str(out), '--batches=3'])
+    printed = capsys.readouterr().out
+    rows = {r['mode']: r for r in parse(printed)}
+    assert set(rows) == set(MODES)                  # seeds grouped, modes not
+    ppl = {}
+    for mode, row in rows.items():
+        logs = [read_log(runs[mode, s]) for s in SEEDS]
+        final = [[r for r in log if 'val_loss' in r][-1] for log in logs]
+        assert [r['step'] for r in final] == [6, 6]
+        ppl[mode] = [math.exp(r['val_loss']) for r in final]
+        assert (row['seeds'], row['steps'], row['variant'], row['layers×width']) == ('2', '6', 'paper', '3×32')
+        assert row['val loss'] == spread([r['val_loss'] for r in final], 4)
+        assert row['val ppl'] == spread(ppl[mode], 2)
+        tok_s = [np.mean([r['tok_per_s'] for r in log if 'tok_per_s' in r][1:]) for log in logs]
+        assert row['tok/s'] == f"{np.mean(tok_s):,.0f}"
+        assert row['mem GiB'] == f"{np.mean([max(r['mem_gib'] for r in log if 'mem_gib' in r) for log in logs]):.2f}"
+    assert rows['standard']['Δ% ppl vs standard'] == '—' and rows['standard']['max weight'] == '—'
+    delta = 100 * (statistics.fmean(ppl['delta_block']) / statistics.fmean(ppl['standard']) - 1)
+    assert rows['delta_block']['Δ% ppl vs standard'] == f"{delta:+.2f}"
+
+    # routing: each seed's final checkpoint, one forward over its first 3 val batches at once
+    from sample import load_model
+    x = torch.cat([torch.from_numpy(x) for x, _ in ShardLoader(str(corpus / 'tiny'), 'val', 4, 32).val_batches(3)])
+    overall, deep = [], []
+    for s in SEEDS:
+        model, _ = load_model('resume', str(runs['delta_block', s]))
+        with torch.no_grad():
+            _, _, stats = model.eval()(x, stats=True)
+        # 6 sublayer sites; the first routes over E alone; Delta Block has no 'final' site
+        assert list(stats) == [f'layers.{i}.{k}' for i in range(3) for k in ('attn', 'mlp')]
+        mw = [stats[site]['max_weight'].item() for site in list(stats)[1:]]
+        overall.append(np.mean(mw))
+        deep.append(np.mean(mw[-1:]))                 # the deepest third of 5 sites: the last one
+    assert rows['delta_block']['max weight'] == spread(overall, 3)
+    assert rows['delta_block']['max weight, deep third'] == spread(deep, 3)
+    assert 'first 3 val batches' in printed
+
+    # table.md: a header line with the command, machine and date, then what was printed
+    header, rest = (out / 'table.md').read_text().split('\n\n', 1)
+    assert header.startswith('Made by `python report.py ') and f"--out {out}" in header
+    assert 'CPUs' in header and f"torch {torch.__version__}" in header and 'UTC' in header
+    assert rest.strip() == printed.strip()
+    pngs = sorted(p.name for p in out.glob('*.png'))
+    assert pngs == ['heatmap_delta_block.png', 'max_weight.png', 'val_loss.png']   # no heatmap for standard
+    for png in pngs:
+        assert is_png(out / png)
+        img = matplotlib.image.imread(out / png)
+        assert img.ndim == 3 and img.shape[0] > 100 and img[..., :3].std() > 0.05   # not blank
+
+
+def fake_run(path, seed, val, config=None, routing=None):
+    """An out_dir as train.py writes it, with hand-picked numbers: eval records {step: val_loss}, a train
+    record after every eval (tok/s 1000 * step, memory 1 GiB) and a ckpt.pt that holds the settings only."""
+    path.mkdir(parents=True)
+    cfg = {**train_defaults(), **(config or {}), 'seed': seed, 'out_dir': str(path), 'device': 'cpu'}
+    records = []
+    for step, loss in val.items():
+        records.append(dict(step=step, val_loss=loss, val_ppl=math.exp(loss), val_tokens=100))
+        records.append(dict(step=step + 1, loss=loss, tok_per_s=1000.0 * (step + 1), mem_gib=1.0, routing=routing or {}))
+    (path / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+    torch.save(dict(config=cfg, model_config={}), path / 'ckpt.pt')
+    return str(path)
+
+
+def test_grouping_and_conversion_table(tmp_path, capsys):
+    plots = importlib.util.find_spec('matplotlib') is not None
+    pretrained = tmp_path / 'qwen3'   # fine-tuned runs: init_from is a checkpoint directory
+    conv = dict(init_from=str(pretrained), n_layer=4)
+    route = {'layers.0.attn': dict(max_weight=1.0, weights=[1.0]),
+             'layers.0.mlp': dict(max_weight=0.9, weights=[0.5, 0.5]),
+             'layers.1.attn': dict(max_weight=0.7, weights=[0.2, 0.3, 0.5])}
+    dirs = [fake_run(tmp_path / 'std1', 1, {0: 3.0, 100: 2.9, 200: 2.8}, conv),
+            fake_run(tmp_path / 'std2', 2, {0: 3.0, 100: 2.92, 200: 2.82}, conv),
+            fake_run(tmp_path / 'gate1', 1, {0: 3.0, 100: 2.95, 200: 2.85},
+                     {**conv, 'residual': 'delta_block', 'res_gate': True}, route),
+            fake_run(tmp_path / 'nogate', 1, {0: 3.5, 100: 3.05, 200: 3.02}, {**conv, 'residual': 'delta_block'}, route),
+            fake_run(tmp_path / 'attnres', 1, {0: 4.0, 100: 3.5, 200: 3.2}, {**conv, 'residual': 'attnres'}, route),
+            # from scratch, two learning rates: two groups, and the lr is shown
+            fake_run(tmp_path / 'a1', 1, {0: 5.0, 10: 4.0}, dict(learning_rate=1e-3)),
+            fake_run(tmp_path / 'a2', 2, {0: 5.0, 10: 4.2}, dict(learning_rate=1e-3)),
+            fake_run(tmp_path / 'b1', 1, {0: 5.0, 10: 3.9}, dict(learning_rate=2e-3))]
+    report.main(dirs + ['--routing=log'])
+    printed = capsys.readouterr().out
+    rows = parse(printed)
+    # by shape (the fine-tunes have 4 layers, the scratch runs train.py's default 12), then mode
+    assert [r['mode'] for r in rows] == ['standard', 'attnres', 'delta_block', 'delta_block', 'standard', 'standard']
+    by = {(r['mode'], r['settings']): r for r in rows}
+    std = by['standard', 'init_from=qwen3 learning_rate=0.0006']
+    assert std['seeds'] == '2' and std['val loss'] == spread([2.8, 2.82], 4) and std['layers×width'] == '4×768'
+    gate = by['delta_block', 'init_from=qwen3 learning_rate=0.0006 res_gate=True']
+    assert gate['Δ% ppl vs standard'] == f"{100 * (math.exp(2.85) / statistics.fmean([math.exp(2.8), math.exp(2.82)]) - 1):+.2f}"
+    # routing from the log: sites with one source left out; deep third of 2 sites = the last one
+    assert gate['max weight'] == f"{(0.9 + 0.7) / 2:.3f}" and gate['max weight, deep third'] == '0.700'
+    assert std['tok/s'] == f"{np.mean([101000, 201000]):,.0f}"    # the first train record left out
+    assert by['standard', 'init_from=scratch learning_rate=0.001']['seeds'] == '2'
+    assert by['standard', 'init_from=scratch learning_rate=0.002']['val loss'] == '3.9000'
+
+    conversion = printed.split('### Conversion')[1]
+    table = {r['run']: r for r in parse(conversion.strip())}
+    assert len(table) == 4
+    base = '4×768 init_from=qwen3 learning_rate=0.0006'   # labels: the shape too, as shapes differ
+    assert table[f'delta_block {base} res_gate=True']['val loss at step 0'] == '3.0000'
+    # recovery: the first step within 1% of the pretrained loss (3.0: the standard fine-tune at step 0)
+    col = 'back within 1% of the pretrained loss at step'
+    assert table[f'standard {base}'][col] == '0'
+    assert table[f'delta_block {base} res_gate=False'][col] == '200'      # 3.02 <= 3.03
+    assert table[f'attnres {base}'][col] == 'not by 200'
+    assert table[f'attnres {base}']['final val loss'] == '3.2000 (step 200)'
+    assert f'{pretrained}: 3.0000 (the standard fine-tune at step 0)' in conversion
+    report.main(dirs + ['--routing=log', '--baseline=3.5', '--recover_pct=0'] + ['--out', str(tmp_path / 'fig')] * plots)
+    table = {r['run']: r for r in parse(capsys.readouterr().out.split('### Conversion')[1].strip())}
+    assert table[f'attnres {base}']['back within 0% of the pretrained loss at step'] == '100'
+    if plots:   # one heatmap per routed group, from the logged routing
+        assert len(list((tmp_path / 'fig').glob('heatmap_*.png'))) == 3
+        assert all(is_png(p) for p in (tmp_path / 'fig').glob('*.png'))
+
+
+def test_errors_name_the_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f'{tmp_path}.*ckpt.pt is missing'):
+        (tmp_path / 'log.jsonl').write_text('')
+        report.main([str(tmp_path)])
+    run = fake_run(tmp_path / 'r', 1, {0: 3.0}, dict(residual='attnres', data_root=str(tmp_path / 'nowhere')))
+    with pytest.raises(FileNotFoundError, match='not here: pass --data_root'):
+        report.main([run])
