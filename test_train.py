@@ -185,6 +185,23 @@ def test_ddp_and_fsdp_two_processes_match_one(corpus, tmp_path):
         assert losses(fsdp)[step] == pytest.approx(loss, rel=1e-5)
 
 
+def test_resume_from_a_checkpoint_with_scalar_gates(corpus, tmp_path):
+    # res_gate parameters were 0-dim before FSDP2 needed them 1-dim: such checkpoints resume unchanged
+    common = ['--residual=delta_block', '--res_gate=True', '--lr_decay_iters=4', '--eval_interval=2']
+    _, full = train(corpus, tmp_path / 'full', '--max_iters=4', *common)
+    train(corpus, tmp_path / 'old', '--max_iters=2', *common)
+    ckpt = torch.load(tmp_path / 'old' / 'ckpt.pt', weights_only=False)
+    gates = [k for k in ckpt['model'] if k.endswith('_res_gate')]
+    assert len(gates) == 4 and all(ckpt['model'][k].shape == (1,) for k in gates)
+    for k in gates:
+        ckpt['model'][k] = ckpt['model'][k].reshape(())
+        state = ckpt['optimizer']['state'][k]
+        state['exp_avg'], state['exp_avg_sq'] = state['exp_avg'].reshape(()), state['exp_avg_sq'].reshape(())
+    torch.save(ckpt, tmp_path / 'old' / 'ckpt.pt')
+    _, resumed = train(corpus, tmp_path / 'old', '--max_iters=4', '--init_from=resume', *common)
+    assert losses(resumed) == losses(full) and val_losses(resumed)[4] == val_losses(full)[4]
+
+
 SLOW = pytest.mark.skipif(not os.environ.get('RUN_SLOW'), reason='inductor on 2 CPU cores takes minutes: RUN_SLOW=1')
 
 
