@@ -1,20 +1,19 @@
 """
-Export a train.py checkpoint to a Hugging Face-style directory (config.json + model.safetensors, and
-the tokenizer.json it was trained with, if it was one), which GPT.from_qwen3 and sample.py load back:
+Export a train.py checkpoint to a Hugging Face directory (config.json + model.safetensors, and its
+tokenizer as tokenizer.json + tokenizer_config.json), which transformers, GPT.from_qwen3 and sample.py load:
 
     python export.py out/finetune_qwen3_0.6b_delta_block/ckpt.pt exported/qwen3_0.6b_delta_block
 
-A 'standard' model becomes a plain Qwen3 checkpoint that transformers' Qwen3ForCausalLM also loads.
-The routed modes keep their routing parameters under the same naming scheme and record their mode in
-config.json ('attention_residuals'); transformers would ignore both, so load them with GPT.from_qwen3.
+A 'standard' model becomes a plain Qwen3 checkpoint that transformers' Qwen3ForCausalLM loads. A routed
+mode becomes a transformers model with remote code (hf_model.py and model.py, copied along):
+AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True). See docs/huggingface.md.
 """
 import argparse
-import shutil
 from pathlib import Path
 
 import torch
 
-from sample import load_model
+from checkpoints import load_model, save_hf_tokenizer
 
 
 def export(ckpt_path, dest, dtype=None):
@@ -23,8 +22,7 @@ def export(ckpt_path, dest, dtype=None):
         raise ValueError(f"{ckpt_path}: expected a train.py checkpoint, out_dir/ckpt.pt")
     model, tokenizer = load_model('resume', str(ckpt_path.parent))
     model.save_qwen3(dest, dtype)
-    if tokenizer and Path(tokenizer).is_file():     # a tokenizer.json (not 'byte' / 'gpt2')
-        shutil.copy(tokenizer, Path(dest) / 'tokenizer.json')
+    save_hf_tokenizer(tokenizer, dest, model.config.block_size)   # 'byte', 'gpt2' or a tokenizer.json
     return model
 
 

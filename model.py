@@ -9,13 +9,11 @@ Delta Block, arXiv 2605.18855). One file, read top to bottom:
 3. `GPT.forward`, where the five modes are two switches on one loop:
       which sources are routed   (every sublayer's output, or per-block sums), and
       how the routed mix is used (it REPLACES the sublayer input, or is ADDED to the residual stream);
-4. loading Hugging Face Qwen3 checkpoints, the optimizer and MFU helpers.
+4. the optimizer and MFU helpers (Hugging Face checkpoints: checkpoints.py).
 """
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -283,7 +281,7 @@ class Layer(nn.Module):
             self.add_module(f'{kind}_res_proj', nn.Linear(d, 1, bias=False))
             self.add_module(f'{kind}_res_norm', nn.RMSNorm(d, eps=cfg.rms_norm_eps))
             if cfg.res_gate:
-                # 1 = the plain additive mode; GPT.from_qwen3(..., identity_init=True) sets 0 (see there).
+                # 1 = the plain additive mode; GPT.from_qwen3(..., identity_init=True) sets 0 (see checkpoints.py).
                 # Shape (1,), not a 0-dim scalar: FSDP2 shards every parameter along dim 0 and refuses scalars.
                 self.register_parameter(f'{kind}_res_gate', nn.Parameter(torch.ones(1)))
 
@@ -418,139 +416,21 @@ class GPT(nn.Module):
         return (logits, loss, site_stats) if stats else (logits, loss)
 
     # -------------------------------------------------------------------------
-    # Loading Hugging Face Qwen3 checkpoints (config.json + safetensors), no `transformers` needed.
-
-    # Exact identity at conversion (identity_init=True, additive modes). With zero queries the routed
-    # mix is the mean of the sources, and in the additive modes the sources sum to h, so the sublayer
-    # would read x = h + h/N: pre-norm hides the scale only up to RMSNorm's eps and rounding. Instead
-    # a learnable scalar gate per site, x = h + gate * routed, starts at 0: every sublayer reads exactly
-    # the pretrained h, so the logits are the pretrained model's. It is no dead end: dL/dgate =
-    # <dL/dx, routed> is non-zero at step 0, so the first optimizer step opens the gates, and from then
-    # on the queries and key norms get gradients too. The replacement modes (attnres, full_attnres)
-    # have no such point: x = sum_i alpha_i s_i is never h (the sublayer sees a convex mix of sources
-    # whose sum is h, e.g. h/N at uniform routing, and the final norm reads a mix too), so they start
-    # from the from-scratch routing init and pay a loss jump at conversion.
-    ROUTING_CONFIG_KEY = 'attention_residuals'   # our extra config.json entry: residual, n_blocks, res_gate
+    # Hugging Face directories: the formats live in checkpoints.py, these are its entry points
 
     @classmethod
     def from_qwen3(cls, path, identity_init=False, **overrides):
-        """Build a model of any residual mode from a LOCAL Qwen3 checkpoint directory. Its tensors load
-        by name. A plain Qwen3 checkpoint has no routing parameters: they keep their from-scratch init
-        (zero queries: uniform routing), or with identity_init=True (additive modes) get zero gates, so
-        the converted model computes exactly what the checkpoint does. A directory written by
-        `save_qwen3` also holds the routing parameters and its mode (config.json's
-        'attention_residuals'), and loads back as it was saved."""
-        from safetensors import safe_open
-        path = Path(path)
-        if not (path / 'config.json').is_file():
-            raise ValueError(f"{path} is not a Hugging Face checkpoint directory: it has no config.json")
-        hf = json.loads((path / 'config.json').read_text())
-        if hf.get('model_type') != 'qwen3':
-            raise ValueError(f"{path} holds a {hf.get('model_type')!r} model; expected model_type 'qwen3'")
-        for rope in (hf.get('rope_scaling'), hf.get('rope_parameters')):   # older and newer HF writers
-            if rope and rope.get('rope_type', rope.get('type', 'default')) != 'default':
-                raise ValueError(f"rope scaling {rope} is not implemented; only plain RoPE ('default') is")
-        rope_theta = hf.get('rope_theta', (hf.get('rope_parameters') or {}).get('rope_theta', 1e6))
-        if hf.get('use_sliding_window') or 'sliding_attention' in hf.get('layer_types', []):
-            raise ValueError("sliding-window attention layers are not implemented; only full causal attention is")
-        if hf.get('attention_bias'):
-            raise ValueError("attention biases are not implemented (attention_bias=true); Qwen3 has none")
-        if hf.get('hidden_act', 'silu') != 'silu':
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not implemented; expected 'silu' (SwiGLU)")
-        args = dict(
-            vocab_size=hf['vocab_size'], block_size=hf['max_position_embeddings'],
-            n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
-            n_kv_head=hf.get('num_key_value_heads', hf['num_attention_heads']), n_embd=hf['hidden_size'],
-            head_dim=hf.get('head_dim', hf['hidden_size'] // hf['num_attention_heads']),
-            intermediate_size=hf['intermediate_size'],
-            rope_theta=float(rope_theta),
-            rms_norm_eps=hf.get('rms_norm_eps', 1e-6), tie_embeddings=hf.get('tie_word_embeddings', False),
-        )
-        stored = hf.get(cls.ROUTING_CONFIG_KEY) or {}
-        args.update(stored)
-        mode = overrides.get('residual', args.get('residual', 'standard'))
-        if identity_init:
-            if stored.get('residual', 'standard') != 'standard':
-                raise ValueError(f"{path} already holds a trained {stored['residual']!r} model with its routing "
-                                 f"parameters; identity_init only applies when converting a plain Qwen3 checkpoint")
-            if RESIDUAL_MODES.get(mode, (None, None))[1] == 'replace':
-                raise ValueError(f"identity_init cannot be exact for the replacement mode {mode!r}: its sublayers read "
-                                 f"a convex mix of sources, never the residual stream itself; convert it without "
-                                 f"identity_init (uniform routing) and expect a loss jump")
-            if RESIDUAL_MODES.get(mode, (None, None))[1] == 'add':
-                overrides = {**overrides, 'res_gate': True}
-        conflicts = {k: (v, overrides[k]) for k, v in stored.items()
-                     if k in overrides and overrides[k] != v and stored.get('residual', 'standard') != 'standard'}
-        if conflicts:
-            raise ValueError(f"{path} holds a trained {stored['residual']!r} model whose routing parameters do not fit "
-                             f"other settings: {', '.join(f'{k}={a!r} stored, {b!r} requested' for k, (a, b) in conflicts.items())}")
-        model = cls(GPTConfig(**{**args, **overrides}))
-
-        if (path / 'model.safetensors.index.json').is_file():
-            shards = sorted(set(json.loads((path / 'model.safetensors.index.json').read_text())['weight_map'].values()))
-        elif (path / 'model.safetensors').is_file():
-            shards = ['model.safetensors']
-        else:
-            raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-        tensors = {}
-        for shard in shards:
-            with safe_open(path / shard, framework='pt') as f:
-                for key in f.keys():
-                    tensors[key.removeprefix('model.')] = f.get_tensor(key)   # HF nests the decoder under 'model.'
-        if model.config.tie_embeddings:
-            tensors.pop('lm_head.weight', None)      # tied: the embedding is the head
-        own = model.state_dict()
-        # routing parameters are expected only from a directory that save_qwen3 wrote for a routed mode
-        routed_dir = stored.get('residual', 'standard') != 'standard'
-        expected = {k for k in own if (routed_dir or '_res_' not in k)
-                    and not (model.config.tie_embeddings and k == 'lm_head.weight')}
-        missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
-        if missing or unexpected:
-            raise ValueError(f"{path} does not match a Qwen3 model of this shape: missing tensors {missing[:8]}"
-                             f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}")
-        for k, t in tensors.items():
-            if k.endswith('_res_gate'):
-                tensors[k] = t = t.reshape(-1)      # 0-dim in directories written before the gates were 1-dim
-            if t.shape != own[k].shape:
-                raise ValueError(f"tensor {k} has shape {tuple(t.shape)} in {path}, expected {tuple(own[k].shape)}")
-        with torch.no_grad():
-            for k, t in tensors.items():
-                own[k].copy_(t)
-            if identity_init:
-                for k in own:
-                    if k.endswith('_res_gate'):
-                        own[k].zero_()
-        return model
+        """A model of any residual mode from a LOCAL Qwen3 checkpoint directory (converted on load; with
+        identity_init=True the additive modes start as exactly the checkpoint), a directory that
+        save_qwen3 wrote, or one the official code saved. See checkpoints.load_hf."""
+        from checkpoints import load_hf
+        return load_hf(path, identity_init, **overrides)
 
     def save_qwen3(self, path, dtype=None):
-        """Write a Hugging Face-style directory (config.json + model.safetensors) that `from_qwen3`
-        loads back exactly. Tensors are named as in HF Qwen3 ('model.layers.0.self_attn.q_proj.weight',
-        ...); the routing parameters follow the same scheme ('model.layers.0.attn_res_proj.weight') and
-        config.json records the mode under 'attention_residuals'. A 'standard' model is a plain Qwen3
-        checkpoint that transformers' Qwen3ForCausalLM loads; transformers does not know the routed
-        modes (it would drop their routing tensors), so only from_qwen3 reads those."""
-        from safetensors.torch import save_file
-        cfg, path = self.config, Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        tensors = {}
-        for k, t in self.state_dict().items():
-            if k == 'lm_head.weight' and cfg.tie_embeddings:
-                continue            # tied: stored once, as the embedding (as HF does)
-            t = t.detach().to('cpu', dtype if dtype is not None and t.is_floating_point() else t.dtype)
-            tensors[k if k == 'lm_head.weight' else 'model.' + k] = t.contiguous()
-        save_file(tensors, path / 'model.safetensors', metadata={'format': 'pt'})
-        hf = {
-            'model_type': 'qwen3', 'vocab_size': cfg.vocab_size, 'max_position_embeddings': cfg.block_size,
-            'num_hidden_layers': cfg.n_layer, 'num_attention_heads': cfg.n_head, 'num_key_value_heads': cfg.n_kv_head,
-            'hidden_size': cfg.n_embd, 'head_dim': cfg.head_dim, 'intermediate_size': cfg.intermediate_size,
-            'rope_theta': cfg.rope_theta, 'rms_norm_eps': cfg.rms_norm_eps, 'tie_word_embeddings': cfg.tie_embeddings,
-            'hidden_act': 'silu', 'attention_bias': False, 'use_sliding_window': False,
-            'torch_dtype': str(next(iter(tensors.values())).dtype).removeprefix('torch.'),
-        }
-        if cfg.residual == 'standard':
-            hf['architectures'] = ['Qwen3ForCausalLM']
-        hf[self.ROUTING_CONFIG_KEY] = {'residual': cfg.residual, 'n_blocks': cfg.n_blocks, 'res_gate': cfg.res_gate}
-        (path / 'config.json').write_text(json.dumps(hf, indent=2) + '\n')
+        """Write a Hugging Face directory: a plain Qwen3 checkpoint for 'standard', a transformers model
+        with remote code (trust_remote_code=True) for the routed modes. See checkpoints.save_hf."""
+        from checkpoints import save_hf
+        save_hf(self, path, dtype)
 
     # -------------------------------------------------------------------------
     # Training helpers, as in nanoGPT

@@ -28,80 +28,12 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
-import tiktoken
 from tqdm import tqdm
 
+from checkpoints import get_tokenizer
 from data import token_dtype, write_shard
 
 LOCAL_BUILDERS = {'.parquet': 'parquet', '.jsonl': 'json', '.json': 'json', '.txt': 'text'}
-
-
-class HFTokenizer:
-    """A Hugging Face tokenizer.json (e.g. Qwen3's) behind tiktoken's interface, so that data prepared
-    for a pretrained checkpoint uses exactly its vocabulary. `name` is the local file: workers and
-    sample.py can reopen it without the network."""
-
-    def __init__(self, path):
-        from tokenizers import Tokenizer
-        self.name = str(path)
-        self.tok = Tokenizer.from_file(self.name)
-        self.tok.encode_special_tokens = True   # like tiktoken's encode_ordinary: '<|endoftext|>' in a text is text
-        self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
-        self.eot_token = self.tok.token_to_id('<|endoftext|>')
-        if self.eot_token is None:
-            raise ValueError(f"tokenizer {path} has no '<|endoftext|>' token to separate documents")
-
-    def encode_ordinary(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids):
-        return self.tok.decode(ids, skip_special_tokens=False)
-
-
-def hf_tokenizer_file(name):
-    """A tokenizer.json path, a directory holding one (a checkpoint), or a Hugging Face hub repo such as
-    'Qwen/Qwen3-0.6B' (only tokenizer.json is fetched, with huggingface_hub) -> a local file."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    if path.is_dir():
-        if not (path / 'tokenizer.json').is_file():
-            raise FileNotFoundError(f"{path} is a directory without tokenizer.json")
-        return path / 'tokenizer.json'
-    from huggingface_hub import hf_hub_download
-    try:
-        return Path(hf_hub_download(name, 'tokenizer.json'))
-    except Exception as e:
-        raise RuntimeError(f"tokenizer {name!r} is neither 'byte', 'gpt2', a local tokenizer.json or checkpoint "
-                           f"directory, nor a hub repository with a tokenizer.json that could be fetched "
-                           f"({type(e).__name__}: {e})") from e
-
-
-def get_tokenizer(name):
-    """The one place that maps a tokenizer name to an encoder (anything with encode_ordinary, decode,
-    eot_token, n_vocab and name): 'byte', 'gpt2', or a Hugging Face tokenizer.json (see
-    hf_tokenizer_file). Add new tokenizers here."""
-    if name == 'byte':
-        # 256 byte tokens + <|endoftext|>: tiktoken builds it from the ranks alone, nothing to download.
-        # With no merges, byte-level BPE is the identity on bytes, so any text (any language, any code)
-        # is encodable; the price is ~4x more tokens than GPT-2's BPE for English.
-        return tiktoken.Encoding(
-            name='byte',
-            pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-            mergeable_ranks={bytes([i]): i for i in range(256)},
-            special_tokens={'<|endoftext|>': 256},
-        )
-    if name == 'gpt2':
-        try:
-            return tiktoken.get_encoding('gpt2')
-        except Exception as e:
-            raise RuntimeError(
-                f"could not fetch the GPT-2 BPE files for tiktoken ({type(e).__name__}: {e}). tiktoken "
-                f"downloads them once from openaipublic.blob.core.windows.net and caches them in "
-                f"$TIKTOKEN_CACHE_DIR. Offline options: `--demo` (the Python standard library with the byte "
-                f"tokenizer), or your own files with `--local FILE... --tokenizer=byte`; or copy a tiktoken "
-                f"cache from a machine with network access into $TIKTOKEN_CACHE_DIR.") from e
-    return HFTokenizer(hf_tokenizer_file(name))
 
 
 def demo_documents():

@@ -98,7 +98,7 @@ def stats_from_model(model, batches):
 def routing_from_val(run, batches, data_root=None, device='cpu'):
     """The final checkpoint's routing on the first `batches` val batches of the run's own dataset."""
     from data import ShardLoader
-    from sample import load_model
+    from checkpoints import load_model
     cfg = run['config']
     data_dir = os.path.join(data_root or cfg['data_root'], cfg['dataset'])
     if not os.path.isdir(data_dir):

@@ -12,16 +12,14 @@ Routing mixes over depth, separately for every token, so only attention needs a 
 builds its own sources (and partial block) from its own sublayer outputs, reading the past only
 through the cached keys and values.
 """
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from model import GPT, GPTConfig, KVCache, RESIDUAL_MODES
-from prepare_fineweb import get_tokenizer
+from checkpoints import get_tokenizer, load_model
+from model import KVCache
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'        # 'resume' (out_dir/ckpt.pt, from train.py) or a Hugging Face-style checkpoint directory
@@ -39,32 +37,6 @@ device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'
 use_kv_cache = True         # False recomputes the whole sequence for every new token (same tokens, slower)
 # -----------------------------------------------------------------------------
-
-
-def load_model(init_from, out_dir='out', residual=None, n_blocks=None):
-    """-> (model, the tokenizer name recorded with it or None)."""
-    overrides = {k: v for k, v in dict(residual=residual, n_blocks=n_blocks).items() if v is not None}
-    if init_from == 'resume':
-        path = os.path.join(out_dir, 'ckpt.pt')
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no checkpoint {path}; train one with train.py or pass --init_from=<checkpoint dir>")
-        ckpt = torch.load(path, map_location='cpu', weights_only=False)
-        cfg = GPTConfig(**ckpt['model_config'])
-        changed = {k: v for k, v in overrides.items() if getattr(cfg, k) != v}
-        if changed:
-            raise ValueError(f"{path} was trained as residual={cfg.residual!r}, n_blocks={cfg.n_blocks}; a trained "
-                             f"model is sampled as it was trained (asked for {changed})")
-        model = GPT(cfg)
-        model.load_state_dict(ckpt['model'])
-        return model, ckpt['meta']['tokenizer']
-    path = Path(init_from)
-    if not (path / 'config.json').is_file():
-        raise FileNotFoundError(f"init_from={init_from!r} is neither 'resume' nor a checkpoint directory with a config.json")
-    saved = json.loads((path / 'config.json').read_text()).get(GPT.ROUTING_CONFIG_KEY, {}).get('residual', 'standard')
-    # a plain Qwen3 converted to an additive mode starts as exactly the checkpoint (see GPT.from_qwen3)
-    identity_init = saved == 'standard' and RESIDUAL_MODES[overrides.get('residual', 'standard')][1] == 'add'
-    model = GPT.from_qwen3(path, identity_init=identity_init, **overrides)
-    return model, str(path) if (path / 'tokenizer.json').is_file() else None
 
 
 @torch.no_grad()

@@ -74,7 +74,7 @@ def test_table_equals_the_logs_and_plots_are_written(runs, corpus, tmp_path, cap
     assert rows['delta_block']['Δ% ppl vs standard'] == f"{delta:+.2f}"
 
     # routing: each seed's final checkpoint, one forward over its first 3 val batches at once
-    from sample import load_model
+    from checkpoints import load_model
     x = torch.cat([torch.from_numpy(x) for x, _ in ShardLoader(str(corpus / 'tiny'), 'val', 4, 32).val_batches(3)])
     overall, deep = [], []
     for s in SEEDS:

@@ -350,8 +350,8 @@ PAPER = {'220m': (768, 12, 12, 4, 64, 3072, 220e6), '533m': (1024, 24, 16, 8, 64
 
 
 def test_paper_configs(monkeypatch):
-    files = sorted(p.name for p in (REPO / 'config').glob('[!_]*.py')
-                   if not p.name.startswith('finetune_'))   # fine-tuning configs: test_pretrained.py
+    files = sorted(p.name for p in (REPO / 'config').glob('[!_]*.py')   # fine-tuning configs: test_pretrained.py
+                   if not p.name.startswith(('finetune_', 'study_')))    # the CPU study's: test_study_configs
     expected = [f'{r}_{s}.py' for s in ('220m', '533m', '1b') for r in RESIDUAL_MODES]
     expected += [f'{r}_8b.py' for r in ('standard', 'attnres', 'delta_block')] + ['delta_block_tiny.py']
     assert files == sorted(expected)
@@ -372,3 +372,13 @@ def test_paper_configs(monkeypatch):
                 model = GPT(GPTConfig(vocab_size=151936, n_layer=L, n_head=H, n_kv_head=KV, n_embd=d, head_dim=hd,
                                       intermediate_size=ff, tie_embeddings=g['tie_embeddings'], residual=residual))
             assert model.get_num_params() == pytest.approx(count, rel=0.01)
+
+
+def test_study_configs(monkeypatch):
+    # results/cpu_study.sh runs these: they must parse, and the conversion must fine-tune the study's own shape
+    study = configure(monkeypatch, 'config/study_cpu.py')
+    convert = configure(monkeypatch, 'config/study_cpu_convert.py')
+    shape = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'head_dim', 'intermediate_size', 'block_size', 'dataset')
+    assert [study[k] for k in shape] == [convert[k] for k in shape] == [8, 64, 4, 2, 16, 192, 64, 'demo']
+    assert convert['init_from'] == 'out/study/convert/pretrained' and convert['seed'] != study['seed']
+    assert study['max_iters'] == study['lr_decay_iters'] and convert['max_iters'] == convert['lr_decay_iters']
