@@ -1,5 +1,5 @@
 """
-GPU readiness in one command: is this CUDA machine ready for the paper's runs? About 5-8 minutes.
+GPU readiness in one command: is this CUDA machine ready for the paper's runs? Deadlines keep it under 8 minutes.
 
     python gpu_check.py
 
