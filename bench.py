@@ -20,7 +20,7 @@ hold on a noisy machine. Columns:
                    packs (torch.autograd.graph.saved_tensors_hooks), each storage counted once, the
                    parameters left out. Measured in eager mode, outside the timing.
   MFU              GPU: model FLOPs (GPT.flops_per_token) per second over the device's peak BF16 dense
-                   FLOP/s (PEAK_FLOPS below, or --peak_flops=...).
+                   FLOP/s (model.PEAK_FLOPS, or --peak_flops=...).
 """
 
 import contextlib
@@ -33,7 +33,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from model import GPT, GPTConfig, RESIDUAL_MODES
+from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
 
 # -----------------------------------------------------------------------------
 # settings; defaults are the issue's CPU target shape (d=256, L=12, T=256, batch 4)
@@ -58,7 +58,7 @@ weight_decay = 0.1
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'  # autocast dtype; 'float32' = none
 compile = torch.cuda.is_available()     # torch.compile each model
-peak_flops = 0.0            # device peak FLOP/s for MFU; 0 = look the device up in PEAK_FLOPS
+peak_flops = 0.0            # device peak FLOP/s for MFU; 0 = look the device up in model.PEAK_FLOPS
 seed = 1337
 json = False                # print one JSON document instead of the table
 _config_file_extras_ok = True   # train.py's config files also set out_dir, dataset, ...: not ours
@@ -68,16 +68,11 @@ with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sy
     exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
-# dense BF16 tensor-core peak FLOP/s (vendor data sheets), first matching substring of the device name wins
-PEAK_FLOPS = [('H100 PCIe', 756e12), ('H100', 989e12), ('H200', 989e12), ('H800', 989e12), ('A100', 312e12)]
-
-
-def device_peak_flops():
+def peak_flops_here():
     if peak_flops:
         return peak_flops
     if device.startswith('cuda') and dtype == 'bfloat16':
-        name = torch.cuda.get_device_name(device)
-        return next((flops for key, flops in PEAK_FLOPS if key in name), None)
+        return device_peak_flops(torch.cuda.get_device_name(device))
     return None     # no table entry for CPUs, or for FP32 training
 
 
@@ -131,6 +126,11 @@ def main():
     x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
     y = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
 
+    # Every model is another compiled entry for the one GPT.forward; past dynamo's recompile limit (8) a model
+    # would silently run eagerly while reported as compiled (--routing=both has 9). Room for all of them, and an
+    # error rather than an eager row should that not hold.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(runs))
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     rows = {}
     # progress on stderr (stdout holds the table or the JSON): building, compiling and warming up takes minutes on a GPU
     for mode, rt in tqdm(runs, desc=f"{'compile + ' if compile else ''}warm up", unit='model'):
@@ -140,7 +140,7 @@ def main():
         torch.manual_seed(seed)
         model = GPT(cfg).to(device)
         model.fast_routing = rt == 'fast'
-        optimizer = model.configure_optimizers(weight_decay, learning_rate, (0.9, 0.95), device_type)
+        optimizer = model.configure_optimizers(weight_decay, learning_rate, (0.9, 0.95))
         saved = saved_activation_bytes(model, x, y, ctx)
         fwd = torch.compile(model) if compile else model
 
@@ -174,7 +174,7 @@ def main():
                 peak = torch.cuda.max_memory_allocated(device) - peak_base + own_resident_bytes(row['model'], row['optimizer'])
                 row['peak_bytes'] = max(row['peak_bytes'] or 0, peak)
 
-    peak = device_peak_flops()
+    peak = peak_flops_here()
     tokens = steps * batch_size * block_size
     for row in rows.values():
         row['seconds_per_step'] = statistics.median(row['times']) / steps

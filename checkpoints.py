@@ -262,6 +262,8 @@ def load_hf(path, identity_init=False, **overrides):
         raise ValueError(f"{path} does not match a Qwen3 model of this shape: missing tensors {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}")
     for k, t in tensors.items():
+        if k.endswith('_res_gate'):
+            tensors[k] = t = t.reshape(-1)      # 0-dim in directories written before the gates were 1-dim
         if t.shape != own[k].shape:
             raise ValueError(f"tensor {k} has shape {tuple(t.shape)} in {path}, expected {tuple(own[k].shape)}")
     with torch.no_grad():

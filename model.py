@@ -281,8 +281,16 @@ class Layer(nn.Module):
             self.add_module(f'{kind}_res_proj', nn.Linear(d, 1, bias=False))
             self.add_module(f'{kind}_res_norm', nn.RMSNorm(d, eps=cfg.rms_norm_eps))
             if cfg.res_gate:
-                # 1 = the plain additive mode; GPT.from_qwen3(..., identity_init=True) sets 0 (see checkpoints.py)
-                self.register_parameter(f'{kind}_res_gate', nn.Parameter(torch.ones(())))
+                # 1 = the plain additive mode; GPT.from_qwen3(..., identity_init=True) sets 0 (see checkpoints.py).
+                # Shape (1,), not a 0-dim scalar: FSDP2 shards every parameter along dim 0 and refuses scalars.
+                self.register_parameter(f'{kind}_res_gate', nn.Parameter(torch.ones(1)))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints written before the gates became 1-dim hold them as 0-dim scalars: the same value
+        for kind in ('attn', 'mlp'):
+            if state_dict.get(key := f'{prefix}{kind}_res_gate') is not None:
+                state_dict[key] = state_dict[key].reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def sublayers(self, cos, sin, kv=None):
         """(name, f, query, key norm, gate) for the attention and the MLP sublayer, in order; the routing
@@ -341,9 +349,12 @@ class GPT(nn.Module):
         if pos + T > self.config.block_size:
             raise ValueError(f"sequence length {pos + T}{f' ({pos} cached + {T} new)' if pos else ''} "
                              f"exceeds block_size {self.config.block_size}")
-        if not torch.compiler.is_compiling() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range "
-                             f"[{idx.min().item()}, {idx.max().item()}]")
+        # Checked where it is free: on a GPU, reading the range would wait for the device at every forward (an
+        # out-of-range id fails there anyway, in the embedding's device-side assert, less readably).
+        if idx.device.type == 'cpu' and not torch.compiler.is_compiling():
+            lo, hi = torch.aminmax(idx)
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
         cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
         official = self.config.official
         # the layers that open a block (sublayer modes: only the first layer, for the official variant)
@@ -424,7 +435,7 @@ class GPT(nn.Module):
     # -------------------------------------------------------------------------
     # Training helpers, as in nanoGPT
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, routing_lr_scale=1.0):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, routing_lr_scale=1.0):
         """AdamW over the parameters that require grad. Weight decay only on matmul weights: not on norms,
         biases or the routing parameters (a decayed query is pulled back to uniform routing). Every group
         carries an 'lr_scale' that train.py multiplies the scheduled learning rate by: the routing
@@ -438,7 +449,8 @@ class GPT(nn.Module):
                   {'params': no_decay, 'weight_decay': 0.0, 'lr_scale': 1.0},
                   {'params': routing, 'weight_decay': 0.0, 'lr_scale': routing_lr_scale}]
         groups = [dict(g, lr=learning_rate * g['lr_scale']) for g in groups if g['params']]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
+        # fused (one kernel per step, CPU and GPU alike): it can skip a step on the device (train.py's found_inf)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
     def routing_sources(self):
         """Number of sources each routing site sees, in forward order (for the FLOP count)."""
@@ -465,7 +477,16 @@ class GPT(nn.Module):
         routing = 3 * sum(4 * n * cfg.n_embd for n in self.routing_sources())
         return 6 * matmul_params + attention + routing
 
-    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops=989e12):
-        """Model FLOPs utilisation: achieved FLOP/s over peak_flops (default: H100 BF16 dense)."""
+    def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops):
+        """Model FLOPs utilisation: achieved FLOP/s over peak_flops (e.g. device_peak_flops(name))."""
         flops = self.flops_per_token(self.config.block_size) * self.config.block_size * fwdbwd_per_iter
         return flops / dt / peak_flops
+
+
+# dense BF16 tensor-core peak FLOP/s per GPU (vendor data sheets), for MFU in train.py and bench.py
+PEAK_FLOPS = [('H100 PCIe', 756e12), ('H100', 989e12), ('H200', 989e12), ('H800', 989e12), ('A100', 312e12)]
+
+
+def device_peak_flops(device_name):
+    """The first PEAK_FLOPS entry whose key is part of the device name (torch.cuda.get_device_name), or None."""
+    return next((flops for key, flops in PEAK_FLOPS if key in device_name), None)

@@ -265,3 +265,30 @@ def test_bench_shows_progress_from_any_directory(tmp_path):
     assert out.returncode == 0, out.stderr
     assert 'warm up: 100%' in out.stderr and 'timed rounds of 1 models: 100%' in out.stderr and '2/2 [' in out.stderr
     assert [r['mode'] for r in json.loads(out.stdout)['rows']] == ['standard']
+
+
+# bench.py in a fresh process with torch.compile's backend set to 'eager' (dynamo's graphs, run as they are:
+# seconds instead of minutes for inductor), reporting dynamo's counters
+COMPILE_COUNTING_BENCH = """
+import functools, json, runpy, sys
+import torch
+torch.compile = functools.partial(torch.compile, backend='eager')
+sys.argv = ['bench.py'] + sys.argv[1:]
+runpy.run_path('bench.py', run_name='__main__')
+c = torch._dynamo.utils.counters
+print(json.dumps(dict(graphs=c['stats']['unique_graphs'], breaks=sum(c['graph_break'].values()))), file=sys.stderr)
+"""
+
+
+def test_bench_compiles_every_row():
+    # --routing=both: 9 models, one more than dynamo's default recompile limit; the ninth must be compiled
+    # too, not run eagerly while the table says compile=True
+    root = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, '-c', COMPILE_COUNTING_BENCH, *TINY_BENCH[:-1], '--compile=True',
+                          '--routing=both', '--json'], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)['rows']
+    assert len(rows) == 9
+    counts = json.loads(out.stderr.splitlines()[-1])
+    assert counts == {'graphs': 9, 'breaks': 0}, counts
+    assert 'recompile_limit' not in out.stderr

@@ -358,7 +358,7 @@ def test_loss_ignores_minus_one():
 
 def test_optimizer_groups_and_flops():
     model = GPT(tiny_config(residual='full_attnres'))
-    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
     decayed = {id(p) for p in opt.param_groups[0]['params']}
     for name, p in model.named_parameters():
         assert (id(p) in decayed) == (p.dim() == 2 and '_res_' not in name), name

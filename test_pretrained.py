@@ -77,7 +77,7 @@ def test_identity_init_is_exact_and_can_learn(hf_dir, mode):
         assert (plain(x)[0] - ref).abs().max().item() > 1e-5
 
     # step 0: only the gates have a gradient (the routed mix is multiplied by 0) ...
-    opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu')
+    opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95))
     _, loss = model(x, y)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if '_res_' in n}
@@ -167,6 +167,24 @@ def test_export_round_trip(tmp_path, mode, tie):
     idx = torch.randint(0, 61, (2, 16))
     with torch.no_grad():
         assert torch.equal(model(idx)[0], back(idx)[0])
+
+
+def test_scalar_gates_of_older_checkpoints_load(tmp_path):
+    # the gates are 1-dim (FSDP2 cannot shard 0-dim parameters); state dicts and directories written while
+    # they were scalars load to the same model
+    from safetensors.torch import load_file, save_file
+    model = randomize_gates(make_model('delta_block', n_blocks=2, res_gate=True))
+    assert model.layers[0].attn_res_gate.shape == (1,)
+    old = {k: v.reshape(()) if k.endswith('_res_gate') else v for k, v in model.state_dict().items()}
+    fresh = make_model('delta_block', n_blocks=2, res_gate=True, seed=1)
+    fresh.load_state_dict(old)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+    model.save_qwen3(tmp_path)
+    tensors = load_file(tmp_path / 'model.safetensors')
+    save_file({k: v.reshape(()) if k.endswith('_res_gate') else v for k, v in tensors.items()},
+              tmp_path / 'model.safetensors', metadata={'format': 'pt'})
+    back = GPT.from_qwen3(tmp_path)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in back.state_dict().items())
 
 
 def test_export_standard_loads_in_transformers(tmp_path, hf_dir):

@@ -133,9 +133,11 @@ def test_resume_is_bitwise_and_nonfinite_loss_stops(corpus, tmp_path):
     b['model']['layers.0.mlp.up_proj.weight'][0, 0] = float('nan')
     torch.save(b, tmp_path / 'split' / 'ckpt.pt')
     before = hashlib.sha256((tmp_path / 'split' / 'ckpt.pt').read_bytes()).hexdigest()
-    p, records = train(corpus, tmp_path / 'split', '--max_iters=9', '--init_from=resume', *common, check=False)
+    # (log_interval 2: the host looks at step 8, the device skipped step 7's update without waiting)
+    p, records = train(corpus, tmp_path / 'split', '--max_iters=9', '--init_from=resume', '--log_interval=2', *common,
+                       check=False)
     assert p.returncode == 1
-    assert 'step 7: non-finite loss (nan)' in p.stderr and 'untouched' in p.stderr
+    assert 'step 7: non-finite loss (nan)' in p.stderr and 'stopped at step 8' in p.stderr and 'untouched' in p.stderr
     assert 'Traceback' not in p.stderr
     assert hashlib.sha256((tmp_path / 'split' / 'ckpt.pt').read_bytes()).hexdigest() == before
     assert max(losses(records)) == 6
@@ -183,6 +185,120 @@ def test_ddp_and_fsdp_two_processes_match_one(corpus, tmp_path):
         torch.testing.assert_close(b['model'][k], a['model'][k], rtol=1e-4, atol=1e-5)
     for step, loss in losses(single).items():
         assert losses(fsdp)[step] == pytest.approx(loss, rel=1e-5)
+
+
+def test_resume_from_a_checkpoint_with_scalar_gates(corpus, tmp_path):
+    # res_gate parameters were 0-dim before FSDP2 needed them 1-dim: such checkpoints resume unchanged
+    common = ['--residual=delta_block', '--res_gate=True', '--lr_decay_iters=4', '--eval_interval=2']
+    _, full = train(corpus, tmp_path / 'full', '--max_iters=4', *common)
+    train(corpus, tmp_path / 'old', '--max_iters=2', *common)
+    ckpt = torch.load(tmp_path / 'old' / 'ckpt.pt', weights_only=False)
+    gates = [k for k in ckpt['model'] if k.endswith('_res_gate')]
+    assert len(gates) == 4 and all(ckpt['model'][k].shape == (1,) for k in gates)
+    for k in gates:
+        ckpt['model'][k] = ckpt['model'][k].reshape(())
+        state = ckpt['optimizer']['state'][k]
+        state['exp_avg'], state['exp_avg_sq'] = state['exp_avg'].reshape(()), state['exp_avg_sq'].reshape(())
+    torch.save(ckpt, tmp_path / 'old' / 'ckpt.pt')
+    _, resumed = train(corpus, tmp_path / 'old', '--max_iters=4', '--init_from=resume', *common)
+    assert losses(resumed) == losses(full) and val_losses(resumed)[4] == val_losses(full)[4]
+
+
+SLOW = pytest.mark.skipif(not os.environ.get('RUN_SLOW'), reason='inductor on 2 CPU cores takes minutes: RUN_SLOW=1')
+
+
+# Several train.py runs in one process (imports and compiler start-up paid once), with torch.compile's backend
+# set by COMPILE_BACKEND. Each out_dir starts from a fresh dynamo, as its own process would; runs that continue
+# in the same out_dir (a resume) reuse its graphs, which its own process would compile again in the same way.
+# The dynamo counters (graphs, graph breaks, recompiles) of all runs in an out_dir go to that out_dir.
+RUNNER = """
+import functools, json, os, runpy, sys
+import torch
+torch.compile = functools.partial(torch.compile, backend=os.environ['COMPILE_BACKEND'])
+sys.path.insert(0, os.getcwd())
+previous = None
+for out_dir, *args in json.loads(sys.argv[1]):
+    if out_dir != previous:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+    previous = out_dir
+    sys.argv = ['train.py', *args, f'--out_dir={out_dir}']
+    runpy.run_path('train.py', run_name='__main__')
+    with open(os.path.join(out_dir, f"counters{os.environ.get('RANK', 0)}.json"), 'w') as f:
+        json.dump({k: dict(v) for k, v in torch._dynamo.utils.counters.items()}, f)
+"""
+
+
+def train_in_one_process(corpus, runs, backend, torchrun=False, timeout=600):
+    """runs: [(out_dir, train.py arguments after TINY)]. -> the completed process; one log/counters per out_dir."""
+    runs = [[str(out_dir), *TINY, '--dataset=tiny', f'--data_root={corpus}', *args] for out_dir, *args in runs]
+    launch = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', '--no-python']
+    cmd = (launch if torchrun else []) + [sys.executable, '-c', RUNNER, json.dumps(runs)]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'COMPILE_BACKEND': backend}
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def records(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / 'log.jsonl').read_text().splitlines()]
+
+
+def counters(out_dir, rank=0):
+    return json.loads((Path(out_dir) / f'counters{rank}.json').read_text())
+
+
+@pytest.mark.parametrize('backend', ['aot_eager', pytest.param('inductor', marks=SLOW)])
+def test_fsdp_compiled_with_res_gate_matches_one_process(corpus, tmp_path, backend):
+    # FSDP2 + compile: each sharded unit compiled once for all layers (no graph break, no recompile per layer
+    # or routing site); FSDP2 + res_gate: the per-site gates shard; the losses are one eager process's
+    args = ['--max_iters=3', '--lr_decay_iters=3', '--eval_interval=3', '--gradient_accumulation_steps=4',
+            '--residual=delta_block', '--res_gate=True']
+    _, single = train(corpus, tmp_path / 'single', *args)
+    p = train_in_one_process(corpus, [(tmp_path / 'fsdp', *args, '--fsdp=True', '--activation_checkpointing=True',
+                                       '--compile=True')], backend, torchrun=True)
+    assert '2 process(es) x 2 micro-batches' in p.stdout and '(FSDP2, activation checkpointing)' in p.stdout
+    for rank in (0, 1):
+        c = counters(tmp_path / 'fsdp', rank)
+        # attention and MLP, with and without gradients (training, evaluation): 4 graphs in a 2-layer model
+        assert c['stats']['unique_graphs'] == 4, c['stats']
+        assert not c.get('graph_break') and not c.get('recompile_limit'), c
+    fsdp = records(tmp_path / 'fsdp')
+    for step, loss in losses(single).items():
+        assert losses(fsdp)[step] == pytest.approx(loss, rel=1e-4)
+    for step, loss in val_losses(single).items():
+        assert val_losses(fsdp)[step] == pytest.approx(loss, rel=1e-4)
+    a = torch.load(tmp_path / 'single' / 'ckpt.pt', weights_only=False)['model']
+    b = torch.load(tmp_path / 'fsdp' / 'ckpt.pt', weights_only=False)['model']
+    assert a['layers.1.mlp_res_gate'].shape == (1,) and a['layers.1.mlp_res_gate'] != 1   # trained
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize('backend', ['aot_eager', pytest.param('inductor', marks=SLOW)])
+def test_compiled_training_evaluation_and_resume_equal_eager(corpus, tmp_path, backend):
+    # What a GPU run does, compiled, in every mode: evaluation at step 0 (a forward without gradients), training
+    # steps with and without routing statistics, a checkpoint, a resume. aot_eager traces what inductor gets
+    # (dynamo's graph, AOTAutograd's forward and backward: where compiled-only failures live) in seconds;
+    # inductor itself (RUN_SLOW=1, and gpu_check.sh on a GPU) also generates and runs the kernels.
+    args = ['--max_iters=4', '--lr_decay_iters=4', '--eval_interval=2', '--log_interval=2']
+    runs = []
+    for mode in RESIDUAL_MODES:
+        runs += [(tmp_path / mode / 'eager', f'--residual={mode}', *args, '--compile=False'),
+                 (tmp_path / mode / 'compiled', f'--residual={mode}', *args, '--compile=True', '--max_iters=2'),
+                 (tmp_path / mode / 'compiled', f'--residual={mode}', *args, '--compile=True', '--init_from=resume')]
+    p = train_in_one_process(corpus, runs, backend, timeout=1800)
+    assert p.stdout.count('resumed from') == len(RESIDUAL_MODES)
+    for mode in RESIDUAL_MODES:
+        eager, compiled = records(tmp_path / mode / 'eager'), records(tmp_path / mode / 'compiled')
+        assert sorted(val_losses(compiled)) == [0, 2, 4] and sorted(losses(compiled)) == [2, 4], mode
+        for step, loss in val_losses(eager).items():
+            assert val_losses(compiled)[step] == pytest.approx(loss, rel=1e-4), (mode, step)
+        for step, loss in losses(eager).items():
+            assert losses(compiled)[step] == pytest.approx(loss, rel=1e-4), (mode, step)
+        # one graph each for evaluation, training and training with routing statistics; no graph break
+        c = counters(tmp_path / mode / 'compiled')
+        assert c['stats']['unique_graphs'] == 3 and not c.get('graph_break'), (mode, c)
 
 
 def test_settings_are_checked_before_any_work(corpus, tmp_path):

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import ShardLoader, load_meta, read_checkpoint
-from model import GPT, GPTConfig, RESIDUAL_MODES
+from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
 
 # -----------------------------------------------------------------------------
 # default config values: the paper's 220M standard run
@@ -96,7 +96,7 @@ param_dtype = 'float32'     # 'bfloat16': the weights and AdamW state themselves
 compile = torch.cuda.is_available()
 fsdp = False                # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
 activation_checkpointing = False  # recompute attention and MLP activations in the backward pass
-peak_flops = 989e12         # per-GPU peak for MFU: H100 BF16 dense
+peak_flops = 0.0            # per-GPU peak FLOP/s for MFU; 0 = the device's BF16 dense peak (model.PEAK_FLOPS)
 seed = 1337
 ddp_timeout_s = 1800        # DDP/FSDP: a rank that waits this long on the others (one froze or died) ends the job
                             # with an error instead of hanging; long enough for rank 0 to write an 8B checkpoint
@@ -256,14 +256,22 @@ if activation_checkpointing:
 if fsdp:
     from torch.distributed.fsdp import fully_shard
     for layer in model.layers:
-        fully_shard(layer.self_attn)
-        fully_shard(layer.mlp)
+        for unit in (layer.self_attn, layer.mlp):
+            if compile:
+                # Dynamo cannot trace FSDP2's hooks: the model compiled as a whole would break its graph at every
+                # sharded unit and run GPT.forward eagerly, recompiling the code between units for each routing
+                # site's source count. Each unit is compiled instead (one graph for all attention units, one for
+                # all MLPs) and the routing between them runs eagerly; see docs/training.md.
+                unit.compile(fullgraph=True)
+            fully_shard(unit)
     fully_shard(model)
 raw_model = model  # the module that owns the parameters (FSDP shards them in place)
 routing_lr_scale = 1.0 if routing_learning_rate is None else routing_learning_rate / learning_rate
-optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type, routing_lr_scale)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), routing_lr_scale)
 
 iter_num = 0
+if peak_flops == 0 and dtype == 'bfloat16' and device_type == 'cuda':
+    peak_flops = device_peak_flops(torch.cuda.get_device_name(device))  # None where the table has no entry
 best_val_loss = None   # the lowest val loss so far: the reference for divergence_factor
 best_ckpt = None       # (step, val loss) of best.pt
 if ckpt is not None:
@@ -280,10 +288,11 @@ if ckpt is not None:
     del ckpt
 start_iter = iter_num
 
-if compile:
+if compile and not fsdp:
     model = torch.compile(model)
 if ddp and not fsdp:
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+    # broadcast_buffers=False: the only buffers are the RoPE tables, constants that need no re-sending every forward
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
 
 # logging: a compact line on stdout, every number in out_dir/log.jsonl
 log_path = os.path.join(out_dir, 'log.jsonl')
@@ -408,6 +417,34 @@ def ppl(loss):
     return math.exp(loss) if loss < 700 else float('inf')  # math.exp overflows past ~709.78
 
 
+# A non-finite loss or gradient norm must never reach the weights, but checking it on the host every step would
+# stall the GPU's queue once per step. The fused AdamW skips its update on the device instead where the tensor
+# `optimizer.found_inf` is 1 (torch.amp.GradScaler's mechanism): weights and optimizer state stay untouched. The
+# host reads the first skipped step only where it waits for the device anyway (log steps) and before every
+# evaluation and checkpoint, and stops there. The decision uses the gradient norm, which is the same on every rank
+# (a non-finite loss on any rank makes the reduced gradients non-finite), so the ranks skip together.
+first_bad = torch.zeros(3, device=device)  # (step, loss, gradient norm) of the first skipped step; step 0: none
+
+
+def skip_if_nonfinite(loss, grad_norm):
+    bad = ~torch.isfinite(grad_norm)
+    optimizer.found_inf = bad.float()
+    first = bad & (first_bad[0] == 0)
+    first_bad[1:] = torch.where(first, torch.stack((loss.float(), grad_norm.float())), first_bad[1:])
+    first_bad[0] = torch.where(first, iter_num + 1.0, first_bad[0])
+
+
+def stop_if_skipped():
+    step, loss, norm = first_bad.tolist()
+    if step:
+        msg = (f"step {int(step)}: non-finite loss ({loss}) or gradient norm ({norm}); stopped at step {iter_num} "
+               f"without updating the weights by any non-finite step. "
+               + (f"The last good checkpoint, {ckpt_path} (step {last_ckpt}), is untouched: resume from it with "
+                  f"--init_from=resume and e.g. a lower learning_rate." if last_ckpt is not None else
+                  "No checkpoint was written yet."))
+        stop(msg)
+
+
 # -----------------------------------------------------------------------------
 # training loop. iter_num counts optimizer steps taken; "step k" is the k-th one.
 last_ckpt = start_iter if init_from == 'resume' else None
@@ -418,6 +455,7 @@ if device_type == 'cuda':
 while True:
     if (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) and \
             not (iter_num == start_iter and init_from == 'resume' and not eval_only):
+        stop_if_skipped()   # never evaluate or checkpoint after a skipped step
         val_loss, val_tokens = evaluate()
         if master:
             print(f"step {iter_num}: val loss {val_loss:.4f} | val ppl {ppl(val_loss):.2f} "
@@ -440,11 +478,11 @@ while True:
     for micro, (x, y) in enumerate(train_loader.train_batches()):
         x, y = to_device(x, y)
         last = micro == accum - 1
-        # all-reduce (DDP) / reduce-scatter (FSDP) the gradients only once, after the last micro-batch
+        # DDP all-reduces the gradients only once, after the last micro-batch. FSDP reduce-scatters them after
+        # every micro-batch (its default): skipping that would hold the whole model's unsharded fp32 gradients
+        # on every GPU between micro-batches (33 GB at 8B), for one reduce-scatter saved per micro-batch.
         if ddp and not fsdp:
             model.require_backward_grad_sync = last
-        elif fsdp:
-            raw_model.set_requires_gradient_sync(last)
         with autocast:
             if want_stats and last:
                 _, loss, stats = model(x, y, stats=True)
@@ -455,25 +493,14 @@ while True:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
     if hasattr(grad_norm, 'full_tensor'):  # FSDP: a DTensor
         grad_norm = grad_norm.full_tensor()
-    # stop before a non-finite update can reach the weights (the gradient norm is the same on all ranks)
-    bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).float()
-    if ddp:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    if bad.item():
-        msg = (f"step {iter_num + 1}: non-finite loss ({loss_sum.item()}) or gradient norm ({grad_norm.item()}); "
-               f"stopped without updating the weights. "
-               + (f"The last good checkpoint, {ckpt_path} (step {last_ckpt}), is untouched: resume from it with "
-                  f"--init_from=resume and e.g. a lower learning_rate." if last_ckpt is not None else
-                  "No checkpoint was written yet."))
-        if ddp:
-            dist.destroy_process_group()
-        raise SystemExit(msg if master else 1)
+    skip_if_nonfinite(loss_sum, grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
     steps_timed += 1
 
     if iter_num % log_interval == 0:
+        stop_if_skipped()
         if ddp:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # the loss of the whole global batch
         lossf = loss_sum.item()  # waits for the GPU, so the time below is real
@@ -481,7 +508,7 @@ while True:
         t0, steps_timed = time.time(), 0
         if master:
             tok_s = tokens_per_iter / dt
-            mfu = raw_model.estimate_mfu(batch_size * accum, dt, peak_flops) if device_type == 'cuda' else None
+            mfu = raw_model.estimate_mfu(batch_size * accum, dt, peak_flops) if peak_flops else None
             if device_type == 'cuda':
                 mem = torch.cuda.max_memory_allocated() / 2**30
             else:  # peak resident set size of this process (kilobytes on Linux)
