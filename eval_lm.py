@@ -2,7 +2,7 @@
 Downstream evaluation with lm-evaluation-harness (pip install "lm-eval[hf]", needed for this script only):
 0-shot accuracy on the papers' task list, through transformers (the model as export.py writes it).
 
-    python eval_lm.py out-delta-block-tiny                      # a train.py out_dir (its ckpt.pt)
+    python eval_lm.py out/tiny                                  # a train.py out_dir (its ckpt.pt)
     python eval_lm.py exported/qwen3_0.6b_delta_block --batch_size=32
     python eval_lm.py /path/to/Qwen3-0.6B --tasks=hellaswag,arc_easy --limit=200
     python eval_lm.py out-x --tasks=my_task --include_path=my_tasks/   # task YAMLs of your own

@@ -302,7 +302,7 @@ def plot_heatmap(title, stats, path):
                 ax.text(c, r, f'{w:.2f}', ha='center', va='center', fontsize=6, color='w' if w < 0.6 else 'k')
     ax.set_yticks(range(len(sites)), sites, fontsize=7)
     ax.set_xticks(range(n_src), ['E'] + [str(i) for i in range(1, n_src)], fontsize=7)
-    ax.set_xlabel('source: E, then sublayer outputs or blocks\n(block modes: the last one a site sees is the partial block)', fontsize=7)
+    ax.set_xlabel('source: E, then sublayer outputs or blocks\n(block modes as in the paper: the last one a site sees is the open block)', fontsize=7)
     ax.set_ylabel('routing site')
     ax.set_title(f'mean routing weights: {title}', fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046)
@@ -390,7 +390,7 @@ def main(argv=None):
             plot_max_weight(groups, out / written[-1])
         for g in groups:
             if g['summary']['stats']:
-                written.append(f"heatmap_{re.sub(r'[^A-Za-z0-9_.=-]+', '_', g['label'])}.png")
+                written.append(f"heatmap_{re.sub(r'[^A-Za-z0-9.-]+', '_', g['label']).strip('_')}.png")
                 plot_heatmap(f"{g['label']}, mean of {seeds(g)}", g['summary']['stats'], out / written[-1])
         print(f"wrote {', '.join(written)} to {out}", file=sys.stderr)
 
