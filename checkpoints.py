@@ -1,6 +1,6 @@
 """
 Checkpoints and tokenizers in and out of this repo, below the scripts that use them (sample.py, export.py,
-eval_lm.py, plot_routing.py, prepare_fineweb.py). model.py is the model's math; this file is the formats:
+eval_lm.py, report.py, prepare_fineweb.py). model.py is the model's math; this file is the formats:
 
 - tokenizers: get_tokenizer(name) for 'byte', 'gpt2' or a Hugging Face tokenizer.json, and
   save_hf_tokenizer(name, dir), the same tokenizer as files that transformers' AutoTokenizer loads;
