@@ -9,6 +9,7 @@ Delta Block, arXiv 2605.18855). One file, read top to bottom:
 3. `GPT.forward`, where the five modes are two switches on one loop:
       which sources are routed   (every sublayer's output, or per-block sums), and
       how the routed mix is used (it REPLACES the sublayer input, or is ADDED to the residual stream);
+   variant='official' changes only the Delta modes' bookkeeping there, to what the authors' code runs;
 4. the optimizer and MFU helpers (Hugging Face checkpoints: checkpoints.py).
 """
 
