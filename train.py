@@ -404,13 +404,18 @@ def diverged(loss, what):
     The same decision on every rank: the losses it sees are all-reduced."""
     if math.isfinite(loss) and not (divergence_factor and best_val_loss is not None and loss > divergence_factor * best_val_loss):
         return None
-    kept = ("No checkpoint was written yet." if last_ckpt is None else
-            f"The checkpoints are untouched: {ckpt_path} (step {last_ckpt})"
-            + (f" and {best_path} (step {best_ckpt[0]}, val loss {best_ckpt[1]:.4f})" if best_ckpt else "")
-            + "; resume the latest with --init_from=resume and e.g. a lower learning_rate.")
     return (f"step {iter_num}: {what} {loss:.4g} " + ("is not finite" if not math.isfinite(loss) else
             f"is over divergence_factor={divergence_factor} x the best val loss {best_val_loss:.4f}")
-            + f": the run diverged; stopped. {kept}")
+            + f": the run diverged; stopped. {checkpoints_kept()}")
+
+
+def checkpoints_kept():
+    """The end of every stop message: which checkpoints are on disk, untouched, and how to go on."""
+    if last_ckpt is None:
+        return "No checkpoint was written yet."
+    return (f"The checkpoints are untouched: {ckpt_path} (step {last_ckpt})"
+            + (f" and {best_path} (step {best_ckpt[0]}, val loss {best_ckpt[1]:.4f})" if best_ckpt else "")
+            + "; resume the latest with --init_from=resume and e.g. a lower learning_rate.")
 
 
 def ppl(loss):
@@ -437,12 +442,8 @@ def skip_if_nonfinite(loss, grad_norm):
 def stop_if_skipped():
     step, loss, norm = first_bad.tolist()
     if step:
-        msg = (f"step {int(step)}: non-finite loss ({loss}) or gradient norm ({norm}); stopped at step {iter_num} "
-               f"without updating the weights by any non-finite step. "
-               + (f"The last good checkpoint, {ckpt_path} (step {last_ckpt}), is untouched: resume from it with "
-                  f"--init_from=resume and e.g. a lower learning_rate." if last_ckpt is not None else
-                  "No checkpoint was written yet."))
-        stop(msg)
+        stop(f"step {int(step)}: non-finite loss ({loss}) or gradient norm ({norm}); stopped at step {iter_num} "
+             f"without updating the weights by any non-finite step. {checkpoints_kept()}")
 
 
 # -----------------------------------------------------------------------------
