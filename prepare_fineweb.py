@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from checkpoints import get_tokenizer
+from tokenizer import get_tokenizer
 from data import token_dtype, write_shard
 
 LOCAL_BUILDERS = {'.parquet': 'parquet', '.jsonl': 'json', '.json': 'json', '.txt': 'text'}
