@@ -107,13 +107,11 @@ def saved_activation_bytes(model, x, y, ctx):
 
 def main():
     modes = list(RESIDUAL_MODES) if residual == 'all' else list(dict.fromkeys(residual.split(',')))
-    for m in modes:
-        if m not in RESIDUAL_MODES:
-            raise ValueError(f"unknown residual {m!r}; expected 'all' or modes from {', '.join(RESIDUAL_MODES)}, joined by commas")
-    if routing not in ('fast', 'naive', 'both'):
-        raise ValueError(f"routing must be 'fast', 'naive' or 'both', got {routing!r}")
-    if dtype not in ('float32', 'bfloat16', 'float16'):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    check_settings({  # setting: (holds?, what is expected); configurator.py
+        'residual': (set(modes) <= set(RESIDUAL_MODES), f"'all' or modes from {', '.join(RESIDUAL_MODES)}, joined by commas"),
+        'routing': (routing in ('fast', 'naive', 'both'), "'fast', 'naive' or 'both'"),
+        'dtype': (dtype in ('float32', 'bfloat16', 'float16'), "'float32', 'bfloat16' or 'float16'"),
+    })
     if 'standard' not in modes:
         modes = ['standard'] + modes        # the reference of every ratio
     runs = [(m, r) for m in modes for r in (('fast', 'naive') if routing == 'both' else (routing,))

@@ -13,6 +13,7 @@ We exec into the script's globals instead of importing a config module: it keeps
 every setting visible with a single grep, at the price of this small file being a bit unusual.
 """
 import builtins as _builtins  # train.py's `compile` setting shadows the builtin
+import os
 import sys
 from ast import literal_eval
 from difflib import get_close_matches
@@ -31,17 +32,30 @@ def _check_setting(key, value, known, source):
     return float(value) if type(default) is float else value
 
 
-# Run as a script: a ValueError or FileNotFoundError that reaches the top while the script reads its settings and
-# opens its files is a mistake the user can fix, and its message names it: print that one line instead of a
-# traceback through this exec. The script puts sys.__excepthook__ back where its real work starts, so that a
-# bug there keeps its traceback.
+# Run as a script: a ValueError or FileNotFoundError raised by this repository's own code is a check whose message
+# names the mistake and the way on (a setting, a missing file, a checkpoint from another run): print that, one line
+# per line of it, instead of a traceback. Everything else is a bug, here or in a library, and keeps its traceback,
+# for the whole run of every script that executes this file.
 if globals().get('__name__') == '__main__':
-    def _one_line_errors(kind, e, tb):
-        if issubclass(kind, (ValueError, FileNotFoundError)):
+    def _one_line_errors(kind, e, tb, _repo=os.path.dirname(os.path.abspath(__file__))):
+        last = tb
+        while last is not None and last.tb_next is not None:
+            last = last.tb_next                  # the frame that raised it
+        ours = last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(_repo + os.sep)
+        if issubclass(kind, (ValueError, FileNotFoundError)) and ours:
             print('\n'.join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
         else:
             sys.__excepthook__(kind, e, tb)
     sys.excepthook = _one_line_errors
+
+
+def check_settings(expected):
+    """{setting: (holds?, what is expected)} -> one ValueError listing every setting that does not hold, one line
+    each, so that a run fails before any work and with all its problems at once."""
+    problems = [f"{k}={globals()[k]!r}: expected {what}" for k, (ok, what) in expected.items() if not ok]
+    if problems:
+        raise ValueError('\n'.join(problems))
+
 
 _known = {k: v for k, v in globals().items()
           if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}

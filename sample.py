@@ -1,7 +1,7 @@
 """
 Sample from a model of any residual mode, with a KV cache.
 
-From a train.py checkpoint (out_dir/ckpt.pt; its dataset's tokenizer is recorded in it):
+From a train.py checkpoint (out_dir/ckpt; its dataset's tokenizer is recorded in it):
     python sample.py --out_dir=out/tiny --start="def " --max_new_tokens=200      # the quick start's run
 From a Hugging Face Qwen3 directory (its tokenizer.json is used), converted to a residual mode on the
 fly (additive modes with the exact identity init, so they sample like the checkpoint itself), or from
@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from checkpoints import get_tokenizer, load_model
+from checkpoints import load_model
+from tokenizer import get_tokenizer
 from model import KVCache
 
 # -----------------------------------------------------------------------------
-init_from = 'resume'        # 'resume' (out_dir/ckpt.pt, from train.py) or a Hugging Face-style checkpoint directory
+init_from = 'resume'        # 'resume' (out_dir/ckpt, from train.py) or a Hugging Face-style checkpoint directory
 out_dir = 'out'
 residual = None             # checkpoint directory only: convert to this mode (None: as saved)
 n_blocks = None             # checkpoint directory only: blocks of the converted mode (None: as saved)
@@ -69,15 +70,13 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, n_vocab=None,
 
 if __name__ == '__main__':
     exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())  # overrides: command line, config file
-    expected = {  # setting: (holds?, what is expected); all checked before the model is loaded
+    check_settings({  # setting: (holds?, what is expected); all checked before the model is loaded (configurator.py)
         'temperature': (temperature >= 0, '>= 0 (0: greedy, always the most likely token)'),
         'top_k': (top_k >= 0, '>= 0 (0: all tokens)'),
         'num_samples': (num_samples >= 1, '>= 1'),
         'max_new_tokens': (max_new_tokens >= 1, '>= 1'),
         'dtype': (dtype in ('float32', 'bfloat16', 'float16'), "'float32', 'bfloat16' or 'float16'"),
-    }
-    if problems := [f"{k}={globals()[k]!r}: expected {what}" for k, (ok, what) in expected.items() if not ok]:
-        raise ValueError('\n'.join(problems))  # one line each (configurator.py's error hook)
+    })
     torch.manual_seed(seed)
     model, recorded_tokenizer = load_model(init_from, out_dir, residual, n_blocks)
     tokenizer = tokenizer or recorded_tokenizer
