@@ -1,130 +1,23 @@
 """
-Checkpoints and tokenizers in and out of this repo, below the scripts that use them (sample.py, export.py,
-eval_lm.py, report.py, prepare_fineweb.py). model.py is the model's math; this file is the formats:
+Checkpoints in and out of this repo, below the scripts that use them (sample.py, export.py, eval_lm.py,
+report.py). model.py is the model's math; this file is the formats (tokenizers: tokenizer.py):
 
-- tokenizers: get_tokenizer(name) for 'byte', 'gpt2' or a Hugging Face tokenizer.json, and
-  save_hf_tokenizer(name, dir), the same tokenizer as files that transformers' AutoTokenizer loads;
 - Hugging Face directories (config.json + safetensors): load_hf reads a Qwen3 checkpoint, a directory
   that save_hf wrote, or one that the authors' official code saved (model_type 'qwen3_attnres');
   save_hf writes a plain Qwen3 checkpoint for 'standard' and, for the routed modes, a directory that
   transformers loads with trust_remote_code=True, its remote code being hf_model.py + model.py itself;
-- train.py checkpoints: load_model(init_from, out_dir).
+- train.py checkpoints (runs.py's format): load_model(init_from, out_dir), load_trained(path).
 GPT.from_qwen3 and GPT.save_qwen3 are the entry points to load_hf and save_hf.
 """
-import base64
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
-import tiktoken
 import torch
 
-from data import read_checkpoint
 from model import GPT, GPTConfig, RESIDUAL_MODES
-
-# -----------------------------------------------------------------------------
-# Tokenizers
-
-
-class HFTokenizer:
-    """A Hugging Face tokenizer.json (e.g. Qwen3's) behind tiktoken's interface, so that data prepared
-    for a pretrained checkpoint uses exactly its vocabulary. `name` is the local file: workers and
-    sample.py can reopen it without the network."""
-
-    def __init__(self, path):
-        from tokenizers import Tokenizer
-        self.name = str(path)
-        self.tok = Tokenizer.from_file(self.name)
-        self.tok.encode_special_tokens = True   # like tiktoken's encode_ordinary: '<|endoftext|>' in a text is text
-        self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
-        self.eot_token = self.tok.token_to_id('<|endoftext|>')
-        if self.eot_token is None:
-            raise ValueError(f"tokenizer {path} has no '<|endoftext|>' token to separate documents")
-
-    def encode_ordinary(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids):
-        return self.tok.decode(ids, skip_special_tokens=False)
-
-
-def hf_tokenizer_file(name):
-    """A tokenizer.json path, a directory holding one (a checkpoint), or a Hugging Face hub repo such as
-    'Qwen/Qwen3-0.6B' (only tokenizer.json is fetched, with huggingface_hub) -> a local file."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    if path.is_dir():
-        if not (path / 'tokenizer.json').is_file():
-            raise FileNotFoundError(f"{path} is a directory without tokenizer.json")
-        return path / 'tokenizer.json'
-    from huggingface_hub import hf_hub_download
-    try:
-        return Path(hf_hub_download(name, 'tokenizer.json'))
-    except Exception as e:
-        raise RuntimeError(f"tokenizer {name!r} is neither 'byte', 'gpt2', a local tokenizer.json or checkpoint "
-                           f"directory, nor a hub repository with a tokenizer.json that could be fetched "
-                           f"({type(e).__name__}: {e})") from e
-
-
-def get_tokenizer(name):
-    """The one place that maps a tokenizer name to an encoder (anything with encode_ordinary, decode,
-    eot_token, n_vocab and name): 'byte', 'gpt2', or a Hugging Face tokenizer.json (see
-    hf_tokenizer_file). Add new tokenizers here."""
-    if name == 'byte':
-        # 256 byte tokens + <|endoftext|>: tiktoken builds it from the ranks alone, nothing to download.
-        # With no merges, byte-level BPE is the identity on bytes, so any text (any language, any code)
-        # is encodable; the price is ~4x more tokens than GPT-2's BPE for English.
-        return tiktoken.Encoding(
-            name='byte',
-            pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-            mergeable_ranks={bytes([i]): i for i in range(256)},
-            special_tokens={'<|endoftext|>': 256},
-        )
-    if name == 'gpt2':
-        try:
-            return tiktoken.get_encoding('gpt2')
-        except Exception as e:
-            raise RuntimeError(
-                f"could not fetch the GPT-2 BPE files for tiktoken ({type(e).__name__}: {e}). tiktoken "
-                f"downloads them once from openaipublic.blob.core.windows.net and caches them in "
-                f"$TIKTOKEN_CACHE_DIR. Offline options: `--demo` (the Python standard library with the byte "
-                f"tokenizer), or your own files with `--local FILE... --tokenizer=byte`; or copy a tiktoken "
-                f"cache from a machine with network access into $TIKTOKEN_CACHE_DIR.") from e
-    return HFTokenizer(hf_tokenizer_file(name))
-
-
-def save_hf_tokenizer(name, dest, model_max_length=None):
-    """Write tokenizer `name` (see get_tokenizer) into dest as tokenizer.json + tokenizer_config.json,
-    which transformers' AutoTokenizer (and so lm-evaluation-harness) loads. A tokenizer.json is copied;
-    the tiktoken tokenizers ('byte', 'gpt2') are converted by transformers' TikTokenConverter, which
-    rebuilds the BPE merges from the ranks (tested: the same ids as tiktoken)."""
-    enc = get_tokenizer(name)
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    if isinstance(enc, HFTokenizer):
-        if Path(enc.name).resolve() != (dest / 'tokenizer.json').resolve():
-            shutil.copy(enc.name, dest / 'tokenizer.json')
-    else:
-        from tokenizers import AddedToken
-        from transformers.convert_slow_tokenizer import TikTokenConverter
-        with tempfile.TemporaryDirectory() as tmp:   # the converter reads tiktoken's file format
-            ranks = Path(tmp) / 'ranks.tiktoken'
-            ranks.write_text(''.join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in enc._mergeable_ranks.items()))
-            tok = TikTokenConverter(str(ranks), pattern=enc._pat_str).converted()
-        tok.add_special_tokens([AddedToken(t, special=True) for t in enc._special_tokens])   # appended in order
-        if any(tok.token_to_id(t) != i for t, i in enc._special_tokens.items()):
-            raise ValueError(f"tokenizer {name!r}: its special tokens {enc._special_tokens} do not follow its ranks, "
-                             f"so the converted tokenizer would number them differently")
-        tok.save(str(dest / 'tokenizer.json'))
-    config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': '<|endoftext|>',
-              'bos_token': None, 'clean_up_tokenization_spaces': False}
-    if model_max_length is not None:
-        config['model_max_length'] = model_max_length
-    (dest / 'tokenizer_config.json').write_text(json.dumps(config, indent=2) + '\n')
-
+from runs import read_checkpoint
 
 # -----------------------------------------------------------------------------
 # Hugging Face directories (config.json + safetensors), read and written without `transformers`
@@ -318,24 +211,37 @@ def save_hf(model, path, dtype=None):
 # -----------------------------------------------------------------------------
 # train.py checkpoints and Hugging Face directories, for the scripts
 
+def trained_checkpoint(out_dir):
+    """The checkpoint a train.py out_dir continues from: out_dir/ckpt, or the ckpt.pt of runs from before the
+    sharded format."""
+    for path in (os.path.join(out_dir, 'ckpt'), os.path.join(out_dir, 'ckpt.pt')):
+        if os.path.exists(path):
+            return path
+    raise FileNotFoundError(f"no checkpoint in {out_dir} (out_dir/ckpt); train one with train.py or pass "
+                            f"--init_from=<checkpoint dir>")
+
+
+def load_trained(path, residual=None, n_blocks=None):
+    """A train.py checkpoint (a folder such as out_dir/ckpt or out_dir/best, or an older ckpt.pt file), read safely
+    (runs.read_checkpoint) -> (model, the name of its dataset's tokenizer)."""
+    ckpt = read_checkpoint(path)  # a cut-short, corrupt or unsafe checkpoint: an error naming it and what to do
+    cfg = GPTConfig(**ckpt['model_config'])
+    changed = {k: v for k, v in dict(residual=residual, n_blocks=n_blocks).items() if v is not None and getattr(cfg, k) != v}
+    if changed:
+        raise ValueError(f"{path} was trained as residual={cfg.residual!r}, n_blocks={cfg.n_blocks}; a trained "
+                         f"model is sampled as it was trained (asked for {changed})")
+    model = GPT(cfg)
+    model.load_state_dict(ckpt['model'])
+    return model, ckpt['meta']['tokenizer']
+
+
 def load_model(init_from, out_dir='out', residual=None, n_blocks=None):
-    """init_from 'resume' (out_dir/ckpt.pt from train.py) or a Hugging Face directory (load_hf; a plain
+    """init_from 'resume' (out_dir's latest train.py checkpoint) or a Hugging Face directory (load_hf; a plain
     Qwen3 converted to residual/n_blocks, additive modes with the exact identity init)
     -> (model, the name of its tokenizer for get_tokenizer, or None if it has none)."""
     overrides = {k: v for k, v in dict(residual=residual, n_blocks=n_blocks).items() if v is not None}
     if init_from == 'resume':
-        path = os.path.join(out_dir, 'ckpt.pt')
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no checkpoint {path}; train one with train.py or pass --init_from=<checkpoint dir>")
-        ckpt = read_checkpoint(path)  # a cut-short or corrupt file: an error naming it and what to do
-        cfg = GPTConfig(**ckpt['model_config'])
-        changed = {k: v for k, v in overrides.items() if getattr(cfg, k) != v}
-        if changed:
-            raise ValueError(f"{path} was trained as residual={cfg.residual!r}, n_blocks={cfg.n_blocks}; a trained "
-                             f"model is sampled as it was trained (asked for {changed})")
-        model = GPT(cfg)
-        model.load_state_dict(ckpt['model'])
-        return model, ckpt['meta']['tokenizer']
+        return load_trained(trained_checkpoint(out_dir), residual, n_blocks)
     path = Path(init_from)
     if not (path / 'config.json').is_file():
         raise FileNotFoundError(f"init_from={init_from!r} is neither 'resume' nor a checkpoint directory with a config.json")

@@ -12,14 +12,12 @@ over 65,536 such as Qwen3's 151,936). The header lets us catch the two usual acc
 is not a shard at all (bad magic) and a file that was cut short by a crash or a full disk (truncated).
 ShardLoader also checks the shards against meta.json (the same files and token counts, every token id
 inside the vocabulary), so a dataset left half-replaced or mixed with another one is refused, not trained on.
-Every error names the file it is about. read_checkpoint does the same for train.py's checkpoints.
+Every error names the file it is about.
 """
 
 import glob
 import json
 import os
-import pickle
-import zipfile
 
 import numpy as np
 
@@ -110,29 +108,6 @@ def check_split(data_dir, split, paths, shards, meta):
     if f'{split}_tokens' in meta and ntok != meta[f'{split}_tokens']:
         raise ValueError(f"the {split} shards in {data_dir} hold {ntok:,} tokens but {path} says {meta[f'{split}_tokens']:,}; "
                          f"an interrupted or mixed dataset? re-run prepare_fineweb.py")
-
-
-def read_checkpoint(path, mmap=False):
-    """torch.load a train.py checkpoint, with an error that names the file and what to do if it is not one."""
-    import torch  # here, not at the top: prepare_fineweb.py and its workers need no torch
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint {path}")
-    best = os.path.join(os.path.dirname(path), 'best.pt')
-    restart = "start a new run (train.py --overwrite=True replaces it)"
-    advice = (f"use the best-validation checkpoint instead (e.g. copy {best} to {path}) or {restart}"
-              if os.path.isfile(best) and os.path.basename(path) != 'best.pt' else restart)
-    size = os.path.getsize(path)
-    # torch.save writes a zip file whose directory is at its end: a cut-short file has none
-    if not zipfile.is_zipfile(path):
-        raise ValueError(f"checkpoint {path} is {'empty (0 bytes)' if size == 0 else f'truncated or corrupt ({size:,} bytes)'}: "
-                         f"its write did not finish (a crash or a full disk?); {advice}")
-    try:
-        ckpt = torch.load(path, map_location='cpu', mmap=mmap, weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        raise ValueError(f"checkpoint {path} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:200]}); {advice}") from None
-    if not isinstance(ckpt, dict) or not {'model', 'model_config', 'meta'} <= ckpt.keys():
-        raise ValueError(f"{path} is not a train.py checkpoint (no model, model_config and meta entries)")
-    return ckpt
 
 
 def shard_paths(data_dir, split):

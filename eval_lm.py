@@ -2,7 +2,7 @@
 Downstream evaluation with lm-evaluation-harness (pip install "lm-eval[hf]", needed for this script only):
 0-shot accuracy on the papers' task list, through transformers (the model as export.py writes it).
 
-    python eval_lm.py out/tiny                                  # a train.py out_dir (its ckpt.pt)
+    python eval_lm.py out/tiny                                  # a train.py out_dir (its ckpt)
     python eval_lm.py exported/qwen3_0.6b_delta_block --batch_size=32
     python eval_lm.py /path/to/Qwen3-0.6B --tasks=hellaswag,arc_easy --limit=200
     python eval_lm.py out-x --tasks=my_task --include_path=my_tasks/   # task YAMLs of your own
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoints import MODEL_TYPE, ROUTING_CONFIG_KEY, load_model, save_hf, save_hf_tokenizer
+from checkpoints import MODEL_TYPE, ROUTING_CONFIG_KEY, load_model, save_hf
+from tokenizer import save_hf_tokenizer
 
 # the official code's downstream list (eval_downstream.py), as reported in the Delta AttnRes paper
 PAPER_TASKS = ['hellaswag', 'arc_easy', 'arc_challenge', 'piqa', 'winogrande', 'boolq', 'mmlu', 'lambada_openai']
@@ -31,16 +32,17 @@ def transformers_dir(path, tmp, tokenizer=None):
     """A directory that transformers loads as this model: `path` itself when it is one (a Qwen3
     checkpoint, an export with remote code), else the model written to tmp by save_hf."""
     path = Path(path)
-    if (path / 'config.json').is_file() and not (path / 'ckpt.pt').is_file():
+    trained = (path / 'ckpt').is_dir() or (path / 'ckpt.pt').is_file()     # a train.py out_dir
+    if (path / 'config.json').is_file() and not trained:
         hf = json.loads((path / 'config.json').read_text())
         plain = hf.get('model_type') == 'qwen3' and (hf.get(ROUTING_CONFIG_KEY) or {}).get('residual', 'standard') == 'standard'
         if (plain or (hf.get('model_type') == MODEL_TYPE and 'auto_map' in hf)) and tokenizer is None:
             return path
         model, recorded = load_model(str(path))
-    elif (path / 'ckpt.pt').is_file():
+    elif trained:
         model, recorded = load_model('resume', str(path))
     else:
-        raise FileNotFoundError(f"{path} is neither a train.py out_dir (no ckpt.pt) nor a checkpoint directory (no config.json)")
+        raise FileNotFoundError(f"{path} is neither a train.py out_dir (no ckpt) nor a checkpoint directory (no config.json)")
     tokenizer = tokenizer or recorded
     if tokenizer is None:
         raise ValueError(f"{path} has no tokenizer; pass --tokenizer (byte, gpt2, a tokenizer.json or directory)")
@@ -86,7 +88,7 @@ def table(results, tasks):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('path', help='a train.py out_dir (with ckpt.pt) or a Hugging Face checkpoint directory')
+    ap.add_argument('path', help='a train.py out_dir (with ckpt) or a Hugging Face checkpoint directory')
     ap.add_argument('--tasks', default=','.join(PAPER_TASKS), help='comma-separated lm-eval tasks (default: the paper\'s)')
     ap.add_argument('--limit', type=float, help='at most this many examples per task (a fraction if < 1); for quick checks')
     ap.add_argument('--num_fewshot', type=int, default=0)

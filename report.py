@@ -5,7 +5,7 @@ Compare train.py runs: one markdown table of the modes, and with --out the figur
     python report.py out/study/* --out=results/study      # + table.md, val_loss.png, max_weight.png, heatmap_*.png
     python report.py out/convert_* --recover_pct=1        # runs fine-tuned from a checkpoint: + the conversion table
 
-Each RUN_DIR is a train.py out_dir: log.jsonl (the numbers) and ckpt.pt (the settings, and the final
+Each RUN_DIR is a train.py out_dir: log.jsonl (the numbers and the commit) and ckpt (the settings, and the final
 weights for the routing measurement). Runs whose settings differ only in `seed` (and `out_dir`,
 `wandb_run_name`) are one group: a row of the table gives the mean +- the sample standard deviation over
 its seeds. The figures (matplotlib, imported only with --out):
@@ -30,7 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from checkpoints import trained_checkpoint
 from model import RESIDUAL_MODES
+from runs import read_checkpoint, read_state
 
 # Settings that name or label a run without changing what it computes: runs differing only in these are seeds
 # of one experiment. `seed` sets the initial weights and the data order (data.ShardLoader).
@@ -42,20 +44,27 @@ MODE_KEYS = ('residual', 'variant', 'n_blocks', 'res_gate', 'routing_learning_ra
 def load_run(run_dir):
     """One train.py out_dir -> {'dir', 'config', 'val': {step: val_loss}, 'train': [log records of train steps], ...}."""
     run_dir = Path(run_dir)
-    log, ckpt = run_dir / 'log.jsonl', run_dir / 'ckpt.pt'
-    for f in (log, ckpt):
-        if not f.is_file():
-            raise FileNotFoundError(f"{run_dir} is not a finished train.py out_dir: {f.name} is missing "
-                                    f"(expected log.jsonl and ckpt.pt)")
+    log = run_dir / 'log.jsonl'
+    if not log.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a train.py out_dir: log.jsonl is missing")
+    ckpt = trained_checkpoint(str(run_dir))
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     val = {r['step']: r['val_loss'] for r in records if 'val_loss' in r}
     if not val:
         raise ValueError(f"{log} has no evaluation yet (no val_loss record)")
-    # mmap: the pickled settings are read, the weights are only mapped (a 8B checkpoint loads in milliseconds)
-    config = torch.load(ckpt, map_location='cpu', weights_only=False, mmap=True)['config']
+    # the settings: a checkpoint folder's state.json, or an older ckpt.pt read safely (its weights only mapped)
+    config = (read_state(ckpt) if os.path.isdir(ckpt) else read_checkpoint(ckpt))['config']
     config = {'variant': 'paper', **config}   # runs from before the setting existed ran the papers' definitions
+    # which code made it: the provenance record of each start and restart (none in runs from before it existed)
+    commits = {commit_of(r['provenance']) for r in records if 'provenance' in r} or {'unknown'}
     return dict(dir=run_dir, config=config, val=val, train=[r for r in records if 'tok_per_s' in r],
-                records=records, routing=None)
+                records=records, routing=None, commits=commits)
+
+
+def commit_of(provenance):
+    if provenance.get('commit') is None:
+        return 'unknown'
+    return provenance['commit'][:10] + ('+dirty' if provenance.get('dirty') else '')
 
 
 def group_runs(runs):
@@ -69,7 +78,7 @@ def group_runs(runs):
 
 def is_conversion(config):
     """Initialised from a pretrained checkpoint directory (train.py's init_from), not from scratch."""
-    return config['init_from'] not in ('scratch', 'resume')
+    return config['init_from'] not in ('scratch', 'resume', 'auto')
 
 
 # -----------------------------------------------------------------------------
@@ -185,9 +194,10 @@ def main_table(groups, varying):
         rows.append([cfg['residual'], cfg['variant'], f"{cfg['n_layer']}×{cfg['n_embd']}", str(len(g['runs'])),
                      '/'.join(map(str, s['steps'])), spread(s['loss'], 4), spread(s['ppl'], 2), delta,
                      '—' if s['tok_s'] is None else f"{s['tok_s']:,.0f}", '—' if s['mem'] is None else f"{s['mem']:.2f}",
-                     *sharp] + ([settings(g, varying)] if varying else []))
+                     *sharp, ', '.join(sorted(set().union(*(r['commits'] for r in g['runs']))))]
+                    + ([settings(g, varying)] if varying else []))
     head = ['mode', 'variant', 'layers×width', 'seeds', 'steps', 'val loss', 'val ppl', 'Δ% ppl vs standard',
-            'tok/s', 'mem GiB', 'max weight', 'max weight, deep third'] + (['settings'] if varying else [])
+            'tok/s', 'mem GiB', 'max weight', 'max weight, deep third', 'commit'] + (['settings'] if varying else [])
     return markdown(head, rows)
 
 
@@ -315,7 +325,7 @@ def plot_heatmap(title, stats, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('runs', nargs='+', metavar='RUN_DIR', help='train.py out_dirs (log.jsonl and ckpt.pt)')
+    ap.add_argument('runs', nargs='+', metavar='RUN_DIR', help='train.py out_dirs (log.jsonl and ckpt)')
     ap.add_argument('--out', help='folder to write table.md and the PNGs to (needs matplotlib)')
     ap.add_argument('--routing', choices=['val', 'log'], default='val',
                     help="val: forward passes of each final checkpoint on its dataset's val batches; "
@@ -364,6 +374,11 @@ def main(argv=None):
             f"logged (GPU: max allocated; CPU: the process's max RSS). Max weight: the mean over tokens of the largest "
             f"routing weight, averaged over the sublayer sites that have more than one source, and over the deepest "
             f"third of them; measured with {how}; mean ± std over seeds."]
+    mixed = [g for g in groups if len(set().union(*(r['commits'] for r in g['runs']))) > 1]
+    for g in mixed:
+        text += ['', f"**Warning:** the runs of {g['label']} come from different commits: "
+                 + '; '.join(f"{r['dir']}: {', '.join(sorted(r['commits']))}" for r in g['runs'])
+                 + '. Their spread may be the code\'s, not the seeds\'.']
     conv = [g for g in groups if is_conversion(g['config'])]
     pretrained = {}
     if conv:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import get_tokenizer, save_hf_tokenizer
+from tokenizer import get_tokenizer, save_hf_tokenizer
 from model import GPT, RESIDUAL_MODES
 from test_model import make_model, write_hf_qwen3
 from test_pretrained import randomize_gates
@@ -143,13 +143,13 @@ def test_tiktoken_bpe_with_merges_as_hf_tokenizer(tmp_path, monkeypatch):
     # GPT-2's BPE needs the network; a small tiktoken BPE with merges takes the same conversion path
     import tiktoken
     from transformers import AutoTokenizer
-    import checkpoints
+    import tokenizer
     ranks = {bytes([i]): i for i in range(256)}
     for word in (b'th', b'he', b'the', b' t', b' the', b're', b'ret', b'ur', b'urn', b'return', b' return'):
         ranks[word] = len(ranks)     # each a merge of two earlier tokens
     toy = tiktoken.Encoding(name='toy', pat_str=get_tokenizer('byte')._pat_str, mergeable_ranks=ranks,
                             special_tokens={'<|endoftext|>': len(ranks)})
-    monkeypatch.setattr(checkpoints, 'get_tokenizer', lambda name: toy)
+    monkeypatch.setattr(tokenizer, 'get_tokenizer', lambda name: toy)
     save_hf_tokenizer('gpt2', tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     text = TEXT + ' the theatre: return the other'

@@ -344,7 +344,8 @@ def test_finetune_from_qwen3(tmp_path, hf_dir, toy_data):
     assert 'zero gates: exactly the pretrained model at step 0' in p.stdout
     val = lambda records: {r['step']: r['val_loss'] for r in records if 'val_loss' in r}
     assert abs(val(delta)[0] - val(base)[0]) <= 1e-6         # the exact identity, through train.py
-    ckpt = torch.load(tmp_path / 'delta' / 'ckpt.pt', weights_only=False)
+    from runs import read_checkpoint
+    ckpt = read_checkpoint(str(tmp_path / 'delta' / 'ckpt'), optimizer=True)
     # freeze_base: the pretrained weights are untouched; the routing learned with 100x the learning rate
     pretrained = {k.removeprefix('model.'): v for k, v in load_file(hf_dir / 'model.safetensors').items()}
     for k, v in ckpt['model'].items():
@@ -356,7 +357,7 @@ def test_finetune_from_qwen3(tmp_path, hf_dir, toy_data):
     last_lr = [r['lr'] for r in delta if 'lr' in r][-1]           # the base rate of the last step
     assert group['lr_scale'] == pytest.approx(100.0) and group['lr'] == pytest.approx(100 * last_lr)
     # export -> load back: the same model
-    model = export.export(tmp_path / 'delta' / 'ckpt.pt', tmp_path / 'exported')
+    model = export.export(tmp_path / 'delta' / 'ckpt', tmp_path / 'exported')
     back = GPT.from_qwen3(tmp_path / 'exported')
     assert (tmp_path / 'exported' / 'tokenizer.json').read_text() == (toy_data / 'tokenizer.json').read_text()
     idx = torch.randint(0, 50, (2, 16))

@@ -103,17 +103,18 @@ def test_table_equals_the_logs_and_plots_are_written(runs, corpus, tmp_path, cap
         assert img.ndim == 3 and img.shape[0] > 100 and img[..., :3].std() > 0.05   # not blank
 
 
-def fake_run(path, seed, val, config=None, routing=None):
-    """An out_dir as train.py writes it, with hand-picked numbers: eval records {step: val_loss}, a train
-    record after every eval (tok/s 1000 * step, memory 1 GiB) and a ckpt.pt that holds the settings only."""
+def fake_run(path, seed, val, config=None, routing=None, commit='0123456789abcdef'):
+    """An out_dir as train.py writes it, with hand-picked numbers: the provenance record, eval records
+    {step: val_loss}, a train record after every eval (tok/s 1000 * step, memory 1 GiB) and a checkpoint (of the
+    older single-file format, ckpt.pt) that holds the settings only."""
     path.mkdir(parents=True)
     cfg = {**train_defaults(), **(config or {}), 'seed': seed, 'out_dir': str(path), 'device': 'cpu'}
-    records = []
+    records = [dict(step=0, provenance=dict(commit=commit, dirty=False))]
     for step, loss in val.items():
         records.append(dict(step=step, val_loss=loss, val_ppl=math.exp(loss), val_tokens=100))
         records.append(dict(step=step + 1, loss=loss, tok_per_s=1000.0 * (step + 1), mem_gib=1.0, routing=routing or {}))
     (path / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
-    torch.save(dict(config=cfg, model_config={}), path / 'ckpt.pt')
+    torch.save(dict(config=cfg, model_config={}, model={}, meta={}), path / 'ckpt.pt')
     return str(path)
 
 
@@ -171,9 +172,23 @@ def test_grouping_and_conversion_table(tmp_path, capsys):
 
 
 def test_errors_name_the_run(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f'{tmp_path}.*ckpt.pt is missing'):
+    with pytest.raises(FileNotFoundError, match=f'no checkpoint in {tmp_path}'):
         (tmp_path / 'log.jsonl').write_text('')
         report.main([str(tmp_path)])
     run = fake_run(tmp_path / 'r', 1, {0: 3.0}, dict(residual='attnres', data_root=str(tmp_path / 'nowhere')))
     with pytest.raises(FileNotFoundError, match='not here: pass --data_root'):
         report.main([run])
+
+
+def test_the_commit_of_each_group_and_a_warning_when_they_differ(tmp_path, capsys):
+    dirs = [fake_run(tmp_path / 's1', 1, {0: 5.0, 10: 4.0}), fake_run(tmp_path / 's2', 2, {0: 5.0, 10: 4.1}),
+            fake_run(tmp_path / 'd1', 1, {0: 5.0, 10: 3.9}, dict(residual='delta_block')),
+            fake_run(tmp_path / 'd2', 2, {0: 5.0, 10: 3.8}, dict(residual='delta_block'), commit='fedcba9876543210')]
+    report.main(dirs + ['--routing=log'])
+    printed = capsys.readouterr().out
+    rows = {r['mode']: r for r in parse(printed)}
+    assert rows['standard']['commit'] == '0123456789'
+    assert rows['delta_block']['commit'] == '0123456789, fedcba9876'
+    assert (f"**Warning:** the runs of delta_block come from different commits: {tmp_path}/d1: 0123456789; "
+            f"{tmp_path}/d2: fedcba9876") in printed
+    assert printed.count('**Warning:**') == 1

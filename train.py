@@ -7,9 +7,11 @@ With DDP on the 8 GPUs of one node (the paper's runs):
     torchrun --standalone --nproc_per_node=8 train.py config/delta_block_1b.py
 Across nodes, e.g. 2 nodes of 8 (run on each, with this node's --node_rank):
     torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=HOST --master_port=29500 train.py config/...
-Continue a run from its last checkpoint (out_dir/ckpt.pt): the same command plus --init_from=resume.
-A new run refuses an out_dir that holds a checkpoint (--overwrite=True replaces it); out_dir/best.pt keeps the
-checkpoint of the best validation loss, and a run that diverges stops before it can overwrite anything.
+Continue a run from its last checkpoint (out_dir/ckpt): the same command plus --init_from=resume. With
+--init_from=auto the same command starts the run or, when out_dir has a checkpoint, continues it: for
+`torchrun --max-restarts=N`, requeued and preemptible jobs (docs/training.md). A new run refuses an out_dir that
+holds a checkpoint (--overwrite=True replaces it); out_dir/best is the checkpoint of the best validation loss, and a
+run that diverges stops before it can overwrite anything. Checkpoints are sharded (runs.py): every rank writes its own part.
 Fine-tune a pretrained Qwen3 (a local Hugging Face directory) converted to any residual mode:
     torchrun --standalone --nproc_per_node=4 train.py config/finetune_qwen3_0.6b_delta_block.py
 
@@ -20,8 +22,6 @@ import json
 import math
 import os
 import resource
-import shutil
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -30,11 +30,12 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import ShardLoader, load_meta, read_checkpoint
+from data import ShardLoader, load_meta
 from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
+from runs import (CheckpointWriteError, Guard, check_resume, clear, init_distributed, latest, open_log, provenance,
+                  read_state, resume, save_checkpoint, start_or_resume)
 
 # -----------------------------------------------------------------------------
 # default config values: the paper's 220M standard run
@@ -44,7 +45,8 @@ eval_interval = 500         # evaluate on the held-out split and write the check
 log_interval = 10
 eval_iters = 64             # val batches per evaluation, over all processes (fewer if the val split is smaller)
 eval_only = False           # evaluate once (e.g. with init_from='resume') and exit
-init_from = 'scratch'       # 'scratch', 'resume' (from out_dir/ckpt.pt) or a local Qwen3 checkpoint directory
+init_from = 'scratch'       # 'scratch', 'resume' (from out_dir/ckpt), 'auto' (resume if out_dir has a checkpoint, else
+                            # scratch: restarted and requeued jobs) or a local Qwen3 checkpoint directory
 overwrite = False           # a new run in an out_dir that holds a checkpoint: replace it (False: refuse to start)
 divergence_factor = 2.0     # stop when a val loss or a logged train loss exceeds this x the best val loss so far
                             # (before it can reach a checkpoint); 0 = only non-finite losses stop the run
@@ -111,10 +113,10 @@ config = {k: globals()[k] for k in config_keys}  # the full config, logged and s
 ddp = 'RANK' in os.environ
 world_size = int(os.environ.get('WORLD_SIZE', 1))
 number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-expected = {  # setting: (holds?, what is expected)
+check_settings({  # setting: (holds?, what is expected); configurator.py
     'residual': (residual in RESIDUAL_MODES, f"one of {', '.join(RESIDUAL_MODES)}"),
-    'init_from': (init_from in ('scratch', 'resume') or os.path.isdir(init_from),
-                  "'scratch', 'resume' or a local Qwen3 checkpoint directory"),
+    'init_from': (init_from in ('scratch', 'resume', 'auto') or os.path.isdir(init_from),
+                  "'scratch', 'resume', 'auto' or a local Qwen3 checkpoint directory"),
     'freeze_base': (not (freeze_base and residual == 'standard'),
                     "False with residual='standard', which has no routing parameters to train"),
     'dtype': (dtype in ('float32', 'bfloat16'), "'float32' or 'bfloat16' (float16 would need loss scaling)"),
@@ -124,7 +126,8 @@ expected = {  # setting: (holds?, what is expected)
     'gradient_accumulation_steps': (gradient_accumulation_steps >= 1 and gradient_accumulation_steps % world_size == 0,
                                     f">= 1 and divisible by the number of processes, {world_size} (it counts "
                                     f"micro-batches over all processes)"),
-    **{k: (globals()[k] >= 1, '>= 1') for k in ('batch_size', 'block_size', 'eval_interval', 'log_interval', 'eval_iters')},
+    **{k: (globals()[k] >= 1, '>= 1') for k in ('batch_size', 'block_size', 'eval_interval', 'log_interval')},
+    'eval_iters': (eval_iters >= world_size, f'>= the number of processes, {world_size} (every rank evaluates a batch)'),
     'max_iters': (max_iters >= 0, '>= 0'),
     'vocab_size': (vocab_size is None or (isinstance(vocab_size, int) and vocab_size >= 1),
                    "None (the dataset's) or an int >= 1"),
@@ -142,18 +145,13 @@ expected = {  # setting: (holds?, what is expected)
     'divergence_factor': (divergence_factor == 0 or divergence_factor > 1, '> 1, or 0 to stop only on non-finite losses'),
     'ddp_timeout_s': (ddp_timeout_s > 0, '> 0 seconds'),
     'peak_flops': (peak_flops >= 0, '>= 0 FLOP/s'),
-}
-if problems := [f"{k}={globals()[k]!r}: expected {what}" for k, (ok, what) in expected.items() if not ok]:
-    raise ValueError('\n'.join(problems))
-# one out_dir, one run: only a resume continues what is there (the log would be deleted, the checkpoint overwritten)
-ckpt_path, best_path = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'best.pt')
-if init_from != 'resume' and not overwrite and (held := [p for p in (ckpt_path, best_path) if os.path.exists(p)]):
-    raise ValueError(f"out_dir={out_dir!r} holds the checkpoint {held[0]} of an earlier run; continue it with "
-                     f"--init_from=resume, replace it with --overwrite=True, or choose another --out_dir")
+})
+# one out_dir, one run: only a resume continues what is there (runs.py)
+auto = init_from == 'auto'
+init_from = start_or_resume(init_from, out_dir, overwrite)
 
 if ddp:
-    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo',
-                            timeout=timedelta(seconds=ddp_timeout_s))
+    init_distributed('nccl' if device.startswith('cuda') else 'gloo', timedelta(seconds=ddp_timeout_s))  # runs.py
     rank, local_rank, world_size = dist.get_rank(), int(os.environ['LOCAL_RANK']), dist.get_world_size()
     if device.startswith('cuda'):
         device = f'cuda:{local_rank}'
@@ -167,9 +165,7 @@ device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 if master:
     os.makedirs(out_dir, exist_ok=True)
     if init_from != 'resume':  # (overwrite=True, or there was nothing to overwrite)
-        for p in (ckpt_path, best_path):
-            if os.path.exists(p):
-                os.remove(p)
+        clear(out_dir)
     parallel = 'FSDP2' if fsdp else 'DDP' if ddp else 'no data parallelism'
     print(f"{world_size} process(es) x {accum} micro-batches x {batch_size} x {block_size} = "
           f"{tokens_per_iter:,} tokens per step ({parallel}{', activation checkpointing' if activation_checkpointing else ''})")
@@ -202,18 +198,10 @@ def config_diff(other):
     return {k: (v, ours[k]) for k, v in other.items() if ours[k] != v}
 
 
-ckpt = None
+state = None   # the checkpoint's settings, data position and best losses (state.json) when resuming
 if init_from == 'resume':
-    if not os.path.isfile(ckpt_path):
-        raise FileNotFoundError(f"init_from='resume' but there is no checkpoint {ckpt_path}")
-    # mmap: with many processes on a node the file is read once into the page cache, not once per process
-    ckpt = read_checkpoint(ckpt_path, mmap=True)
-    if diff := config_diff(ckpt['model_config']):
-        raise ValueError(f"the checkpoint's model differs from this config (checkpoint, now): {diff}")
-    # the same data: the saved data position indexes this dataset's windows, and the tokens mean this tokenizer's
-    if diff := {k: (v, meta.get(k)) for k, v in ckpt['meta'].items() if k != 'shards' and meta.get(k) != v}:
-        raise ValueError(f"{ckpt_path} was trained on another dataset than {data_dir} (checkpoint, now): {diff}; "
-                         f"resume with its --data_root/--dataset, or start a new run in another --out_dir")
+    state = read_state(latest(out_dir))
+    check_resume(latest(out_dir), state, asdict(model_config), meta, data_dir, config, auto=auto)
 if init_from in ('scratch', 'resume'):
     with torch.device(device):  # build directly on the GPU: no CPU copy of an 8B model per process
         model = GPT(model_config)
@@ -269,24 +257,17 @@ raw_model = model  # the module that owns the parameters (FSDP shards them in pl
 routing_lr_scale = 1.0 if routing_learning_rate is None else routing_learning_rate / learning_rate
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), routing_lr_scale)
 
-iter_num = 0
 if peak_flops == 0 and dtype == 'bfloat16' and device_type == 'cuda':
     peak_flops = device_peak_flops(torch.cuda.get_device_name(device))  # None where the table has no entry
-best_val_loss = None   # the lowest val loss so far: the reference for divergence_factor
-best_ckpt = None       # (step, val loss) of best.pt
-if ckpt is not None:
-    # full (unsharded) state dicts: the same file works for DDP, FSDP and a single process
-    set_state_dict(raw_model, optimizer, model_state_dict=ckpt['model'], optim_state_dict=ckpt['optimizer'],
-                   options=StateDictOptions(full_state_dict=True))
-    iter_num, train_loader.pos = ckpt['iter_num'], ckpt['data_pos']
-    best_val_loss, best_ckpt = ckpt.get('best_val_loss'), ckpt.get('best_ckpt')  # (older checkpoints: None)
-    torch.set_rng_state(ckpt['rng']['torch'])
-    if device_type == 'cuda' and ckpt['rng']['cuda'] is not None:
-        torch.cuda.set_rng_state(ckpt['rng']['cuda'])
+iter_num = 0
+if state is not None:   # each rank reads its own shards of the weights and optimizer state (DCP reshards)
+    resume(latest(out_dir), raw_model, optimizer)
+    iter_num, train_loader.pos = state['iter_num'], state['data_pos']
     if master:
-        print(f"resumed from {ckpt_path} at step {iter_num}")
-    del ckpt
+        print(f"resumed from {latest(out_dir)} (step {iter_num})")
 start_iter = iter_num
+guard = Guard(out_dir, divergence_factor, device, state)   # divergence and non-finite stops (runs.py)
+run_info = provenance(world_size, device)
 
 if compile and not fsdp:
     model = torch.compile(model)
@@ -295,16 +276,8 @@ if ddp and not fsdp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
 
 # logging: a compact line on stdout, every number in out_dir/log.jsonl
-log_path = os.path.join(out_dir, 'log.jsonl')
-if master and init_from == 'resume' and os.path.isfile(log_path):
-    # drop what the interrupted run logged after its checkpoint: the resumed run logs those steps again
-    with open(log_path) as f:
-        kept = [line for line in f if json.loads(line)['step'] <= iter_num]
-    with open(log_path + '.tmp', 'w') as f:
-        f.writelines(kept)
-    os.replace(log_path + '.tmp', log_path)
-if master and init_from != 'resume' and os.path.exists(log_path):
-    os.remove(log_path)
+log_path = open_log(out_dir, iter_num if init_from == 'resume' else None,
+                    dict(step=iter_num, provenance=run_info)) if master else None
 if wandb_log and master:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config)
@@ -367,106 +340,60 @@ def routing_summary(stats):
             f" entropy {np.mean(ent):.2f} [{min(ent):.2f}, {max(ent):.2f}]")
 
 
-def save_checkpoint(val_loss):
-    """Write ckpt.pt (what a resume continues); if val_loss is the lowest so far, best.pt becomes the same file."""
-    global best_ckpt
-    if is_best := best_ckpt is None or val_loss < best_ckpt[1]:
-        best_ckpt = (iter_num, val_loss)
-    # every process takes part in gathering the full state (FSDP), only rank 0 receives and writes it
-    msd, osd = get_state_dict(raw_model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def checkpoint(val_loss):
+    """Every rank: write out_dir/step_N and point out_dir/ckpt (and out_dir/best, for the lowest val loss) at it."""
+    is_best = guard.is_best(val_loss)
+    state = dict(model_config=asdict(model_config), config=config, meta=meta, iter_num=iter_num,
+                 data_pos=train_loader.pos, best_val_loss=guard.best_val_loss,
+                 best_ckpt=[iter_num, val_loss] if is_best else guard.best_ckpt, provenance=run_info)
+    try:
+        path = save_checkpoint(out_dir, iter_num, raw_model, optimizer, state, is_best, master)
+    except CheckpointWriteError as e:
+        guard.stop(f"{e} {guard.kept()}")
+    guard.saved(iter_num, val_loss, is_best)
     if master:
-        ckpt = dict(model=msd, optimizer=osd, model_config=asdict(model_config), config=config, meta=meta,
-                    iter_num=iter_num, data_pos=train_loader.pos, best_val_loss=best_val_loss, best_ckpt=best_ckpt,
-                    rng=dict(torch=torch.get_rng_state(),
-                             cuda=torch.cuda.get_rng_state() if device_type == 'cuda' else None))
-        torch.save(ckpt, ckpt_path + '.tmp')
-        os.replace(ckpt_path + '.tmp', ckpt_path)  # atomic: a crash mid-write keeps the previous checkpoint
-        if is_best:  # a hard link: no second copy on disk until ckpt.pt moves on (a copy where links fail)
-            try:
-                os.link(ckpt_path, best_path + '.tmp')
-            except OSError:
-                shutil.copyfile(ckpt_path, best_path + '.tmp')
-            os.replace(best_path + '.tmp', best_path)
-        print(f"step {iter_num}: saved {ckpt_path}" + (f" and {best_path} (best val loss so far)" if is_best else
-                                                       f" ({best_path}: step {best_ckpt[0]}, val loss {best_ckpt[1]:.4f})"))
-    return iter_num
-
-
-def stop(msg):
-    """End every process; rank 0 says why. The checkpoints on disk are the last good ones."""
-    if ddp:
-        dist.destroy_process_group()
-    raise SystemExit(msg if master else 1)
-
-
-def diverged(loss, what):
-    """-> a message if `loss` is not finite or is past divergence_factor x the best val loss so far, else None.
-    The same decision on every rank: the losses it sees are all-reduced."""
-    if math.isfinite(loss) and not (divergence_factor and best_val_loss is not None and loss > divergence_factor * best_val_loss):
-        return None
-    return (f"step {iter_num}: {what} {loss:.4g} " + ("is not finite" if not math.isfinite(loss) else
-            f"is over divergence_factor={divergence_factor} x the best val loss {best_val_loss:.4f}")
-            + f": the run diverged; stopped. {checkpoints_kept()}")
-
-
-def checkpoints_kept():
-    """The end of every stop message: which checkpoints are on disk, untouched, and how to go on."""
-    if last_ckpt is None:
-        return "No checkpoint was written yet."
-    return (f"The checkpoints are untouched: {ckpt_path} (step {last_ckpt})"
-            + (f" and {best_path} (step {best_ckpt[0]}, val loss {best_ckpt[1]:.4f})" if best_ckpt else "")
-            + "; resume the latest with --init_from=resume and e.g. a lower learning_rate.")
+        print(f"step {iter_num}: saved {path}" + (" (best val loss so far)" if is_best else
+                                                  f" (best: step {guard.best_ckpt[0]}, val loss {guard.best_ckpt[1]:.4f})"))
 
 
 def ppl(loss):
     return math.exp(loss) if loss < 700 else float('inf')  # math.exp overflows past ~709.78
 
 
-# A non-finite loss or gradient norm must never reach the weights, but checking it on the host every step would
-# stall the GPU's queue once per step. The fused AdamW skips its update on the device instead where the tensor
-# `optimizer.found_inf` is 1 (torch.amp.GradScaler's mechanism): weights and optimizer state stay untouched. The
-# host reads the first skipped step only where it waits for the device anyway (log steps) and before every
-# evaluation and checkpoint, and stops there. The decision uses the gradient norm, which is the same on every rank
-# (a non-finite loss on any rank makes the reduced gradients non-finite), so the ranks skip together.
-first_bad = torch.zeros(3, device=device)  # (step, loss, gradient norm) of the first skipped step; step 0: none
-
-
-def skip_if_nonfinite(loss, grad_norm):
-    bad = ~torch.isfinite(grad_norm)
-    optimizer.found_inf = bad.float()
-    first = bad & (first_bad[0] == 0)
-    first_bad[1:] = torch.where(first, torch.stack((loss.float(), grad_norm.float())), first_bad[1:])
-    first_bad[0] = torch.where(first, iter_num + 1.0, first_bad[0])
-
-
-def stop_if_skipped():
-    step, loss, norm = first_bad.tolist()
-    if step:
-        stop(f"step {int(step)}: non-finite loss ({loss}) or gradient norm ({norm}); stopped at step {iter_num} "
-             f"without updating the weights by any non-finite step. {checkpoints_kept()}")
+def log_step(lossf, lr, grad_norm, dt, stats):
+    """The compact line on stdout and the full record (with each site's routing weights) in log.jsonl."""
+    tok_s = tokens_per_iter / dt
+    mfu = raw_model.estimate_mfu(batch_size * accum, dt, peak_flops) if peak_flops else None
+    if device_type == 'cuda':
+        mem = torch.cuda.max_memory_allocated() / 2**30
+    else:  # peak resident set size of this process (kilobytes on Linux)
+        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    routing = {site: {'max_weight': s['max_weight'].item(), 'entropy': s['entropy'].item(),
+                      'weights': s['weights'].tolist()} for site, s in stats.items()}
+    print(f"step {iter_num}: loss {lossf:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+          f"{tok_s:,.0f} tok/s | mfu {f'{100 * mfu:.1f}%' if mfu is not None else '-'} | "
+          f"mem {mem:.2f} GiB{routing_summary(routing)}")
+    log(dict(step=iter_num, loss=lossf, lr=lr, grad_norm=grad_norm, tok_per_s=tok_s, mfu=mfu, mem_gib=mem,
+             routing=routing))
 
 
 # -----------------------------------------------------------------------------
 # training loop. iter_num counts optimizer steps taken; "step k" is the k-th one.
-last_ckpt = start_iter if init_from == 'resume' else None
-sys.excepthook = sys.__excepthook__  # setup is done: from here on, errors keep their traceback (see configurator.py)
 t0, steps_timed = time.time(), 0
 if device_type == 'cuda':
     torch.cuda.reset_peak_memory_stats()
 while True:
     if (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) and \
             not (iter_num == start_iter and init_from == 'resume' and not eval_only):
-        stop_if_skipped()   # never evaluate or checkpoint after a skipped step
+        guard.stop_if_skipped(iter_num)   # never evaluate or checkpoint after a skipped step
         val_loss, val_tokens = evaluate()
         if master:
             print(f"step {iter_num}: val loss {val_loss:.4f} | val ppl {ppl(val_loss):.2f} "
                   f"({val_tokens:,} held-out tokens)")
         log(dict(step=iter_num, val_loss=val_loss, val_ppl=ppl(val_loss), val_tokens=val_tokens))
-        if msg := diverged(val_loss, 'val loss'):
-            stop(msg)
-        best_val_loss = val_loss if best_val_loss is None else min(best_val_loss, val_loss)
+        guard.check(iter_num, val_loss, 'val loss')
         if iter_num > start_iter:
-            last_ckpt = save_checkpoint(val_loss)
+            checkpoint(val_loss)
         t0, steps_timed = time.time(), 0  # don't count evaluation time as training time
     if iter_num >= max_iters or eval_only:
         break
@@ -494,35 +421,21 @@ while True:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
     if hasattr(grad_norm, 'full_tensor'):  # FSDP: a DTensor
         grad_norm = grad_norm.full_tensor()
-    skip_if_nonfinite(loss_sum, grad_norm)
+    guard.skip_if_nonfinite(optimizer, iter_num, loss_sum, grad_norm)   # on the device: no host sync
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
     steps_timed += 1
 
     if iter_num % log_interval == 0:
-        stop_if_skipped()
+        guard.stop_if_skipped(iter_num)
         if ddp:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # the loss of the whole global batch
         lossf = loss_sum.item()  # waits for the GPU, so the time below is real
-        dt = (time.time() - t0) / steps_timed
-        t0, steps_timed = time.time(), 0
         if master:
-            tok_s = tokens_per_iter / dt
-            mfu = raw_model.estimate_mfu(batch_size * accum, dt, peak_flops) if peak_flops else None
-            if device_type == 'cuda':
-                mem = torch.cuda.max_memory_allocated() / 2**30
-            else:  # peak resident set size of this process (kilobytes on Linux)
-                mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            routing = {site: {'max_weight': s['max_weight'].item(), 'entropy': s['entropy'].item(),
-                              'weights': s['weights'].tolist()} for site, s in stats.items()}
-            print(f"step {iter_num}: loss {lossf:.4f} | lr {lr:.2e} | grad norm {grad_norm.item():.3f} | "
-                  f"{tok_s:,.0f} tok/s | mfu {f'{100 * mfu:.1f}%' if mfu is not None else '-'} | "
-                  f"mem {mem:.2f} GiB{routing_summary(routing)}")
-            log(dict(step=iter_num, loss=lossf, lr=lr, grad_norm=grad_norm.item(), tok_per_s=tok_s, mfu=mfu,
-                     mem_gib=mem, routing=routing))
-        if msg := diverged(lossf, 'train loss'):
-            stop(msg)
+            log_step(lossf, lr, grad_norm.item(), (time.time() - t0) / steps_timed, stats)
+        t0, steps_timed = time.time(), 0
+        guard.check(iter_num, lossf, 'train loss')
 
 if ddp:
     dist.destroy_process_group()

@@ -28,7 +28,7 @@ for seed in 0 1 2; do
 done | run_all
 
 # 2. conversion: export the standard model of seed 0, fine-tune it as itself and converted
-[ -f $OUT/convert/pretrained/config.json ] || python export.py $OUT/L8/standard_s0/ckpt.pt $OUT/convert/pretrained
+[ -f $OUT/convert/pretrained/config.json ] || python export.py $OUT/L8/standard_s0/ckpt $OUT/convert/pretrained
 {
     echo "$OUT/convert/standard config/study_cpu_convert.py --residual=standard"
     echo "$OUT/convert/delta_block_gate config/study_cpu_convert.py --residual=delta_block --res_gate=True"

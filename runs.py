@@ -1,0 +1,369 @@
+"""
+A training run's files, and what keeps a run safe, beside train.py's main path.
+
+    out_dir/log.jsonl        one JSON record per line: provenance first (which code and machine made the run),
+                             then every evaluation and logged step
+    out_dir/step_000400/     a checkpoint: torch.distributed.checkpoint (DCP) shards, each written by the rank that
+                             holds them (no process ever holds the whole state), DCP's .metadata, and state.json
+                             (settings, data position, provenance: plain JSON)
+    out_dir/ckpt -> step_000400   the latest checkpoint: what a resume continues
+    out_dir/best -> step_000200   the checkpoint of the best validation loss so far
+
+A checkpoint is written under step_N.tmp/ and renamed when complete; `ckpt` and `best` are symbolic links swapped
+atomically (os.replace). A crash or a full disk mid-save therefore leaves the previous checkpoint as it was, and a
+left-over .tmp folder is removed by the next save. DCP reshards on load: a run saved by 2 processes resumes on 1 or 4.
+The same format serves every run (one process, DDP, FSDP2), so sample.py, export.py, report.py and eval_lm.py read
+any of them with read_checkpoint (DCP's own loading, into one process).
+"""
+import json
+import math
+import os
+import pickle
+import platform
+import shutil
+import subprocess
+import sys
+import warnings
+import zipfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+# DCP warns on every save and load in one process, even when asked for one (no_dist=True): that is what we mean
+warnings.filterwarnings('ignore', message='torch.distributed is (disabled, )?unavailable or uninitialized')
+
+
+def provenance(world_size, device):
+    """Which code, libraries and machine made a run: the first record of its log and part of every checkpoint."""
+    def git(*args):
+        try:
+            return subprocess.run(['git', *args], cwd=REPO, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None     # not a git checkout (e.g. an exported copy) or no git
+    commit = git('rev-parse', 'HEAD')
+    return dict(commit=commit, dirty=bool(git('status', '--porcelain', '--untracked-files=no')) if commit else None,
+                torch=torch.__version__, cuda=torch.version.cuda,
+                device=torch.cuda.get_device_name(device) if device.startswith('cuda') else platform.processor() or 'cpu',
+                world_size=world_size, host=platform.node(), argv=sys.argv, python=platform.python_version())
+
+
+def init_distributed(backend, timeout):
+    """dist.init_process_group under torchrun, so that its restarts (--max-restarts) work. A restarted worker meets
+    the others through the same TCP store as the workers it replaces, and gloo would read those dead workers'
+    addresses, still stored under the same keys, and fail to connect ('Gloo connectFullMesh failed ... Connection
+    refused'; cf. pytorch/pytorch#167288). Each attempt therefore gets keys of its own (a PrefixStore per restart)."""
+    rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+    agent_store = os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'   # torchrun's agent hosts the store
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size,
+                          is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    dist.init_process_group(backend, store=dist.PrefixStore(f'attempt_{attempt}', store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+
+
+# -----------------------------------------------------------------------------
+# where a run starts
+
+
+def latest(out_dir):
+    """out_dir's latest checkpoint folder, or None."""
+    path = os.path.join(out_dir, 'ckpt')
+    return path if os.path.isdir(path) else None
+
+
+def start_or_resume(init_from, out_dir, overwrite):
+    """-> 'resume' or what init_from says. One out_dir, one run: a new run never replaces a checkpoint silently.
+    init_from='auto' continues the run in out_dir if it has a checkpoint and starts it from scratch otherwise, so
+    that the same command survives `torchrun --max-restarts`, a requeue or a preempted machine."""
+    held = latest(out_dir) or next((p for p in (os.path.join(out_dir, f) for f in ('ckpt.pt', 'best.pt'))
+                                    if os.path.exists(p)), None)
+    if init_from == 'auto':
+        return 'resume' if latest(out_dir) else 'scratch'
+    if init_from != 'resume' and held and not overwrite:
+        raise ValueError(f"out_dir={out_dir!r} holds the checkpoint {held} of an earlier run; continue it with "
+                         f"--init_from=resume (or auto), replace it with --overwrite=True, or choose another --out_dir")
+    if init_from == 'resume' and not latest(out_dir):
+        raise FileNotFoundError(f"init_from='resume' but {out_dir} has no checkpoint (out_dir/ckpt); "
+                                f"--init_from=auto starts the run when there is none")
+    return init_from
+
+
+def check_resume(path, state, model_config, meta, data_dir, config, auto):
+    """Refuse to continue a checkpoint as something else: another model, other data (the saved data position indexes
+    this dataset's windows, and the tokens mean its tokenizer's) or, for init_from='auto', other settings (a requeue
+    runs the same command; a different command pointed at this out_dir is a mistake, not a restart)."""
+    if diff := {k: (v, model_config.get(k)) for k, v in state['model_config'].items() if model_config.get(k) != v}:
+        raise ValueError(f"the checkpoint's model differs from this config (checkpoint, now): {diff}")
+    if diff := {k: (v, meta.get(k)) for k, v in state['meta'].items() if k != 'shards' and meta.get(k) != v}:
+        raise ValueError(f"{path} was trained on another dataset than {data_dir} (checkpoint, now): {diff}; "
+                         f"resume with its --data_root/--dataset, or start a new run in another --out_dir")
+    free = ('init_from', 'overwrite', 'eval_only')
+    if auto and (diff := {k: (v, config.get(k)) for k, v in state['config'].items() if k not in free and config.get(k) != v}):
+        raise ValueError(f"init_from='auto': {path} was made with other settings (checkpoint, now): {diff}; "
+                         f"continue it with these changes with --init_from=resume, or choose another --out_dir")
+
+
+def open_log(out_dir, step, first_record):
+    """out_dir/log.jsonl for a run that starts (step None: a new log) or resumes at `step` (what the interrupted run
+    logged after its checkpoint is dropped: the resumed run logs those steps again); first_record is appended."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    kept = []
+    if step is not None and os.path.isfile(path):
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line)['step'] <= step]
+    with open(path + '.tmp', 'w') as f:
+        f.writelines(kept + [json.dumps(first_record) + '\n'])
+    os.replace(path + '.tmp', path)
+    return path
+
+
+def clear(out_dir):
+    """A new run in out_dir (overwrite=True or nothing there): remove an earlier run's checkpoints and log."""
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if name in ('ckpt', 'best', 'ckpt.pt', 'best.pt', 'log.jsonl') or name.startswith('step_'):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+
+# -----------------------------------------------------------------------------
+# writing checkpoints (every rank), reading them back (train.py's resume: every rank; the other scripts: one process)
+
+class CheckpointWriteError(RuntimeError):
+    pass
+
+
+def _point(out_dir, name, target):
+    """Make out_dir/name a link to target (a sibling folder), atomically."""
+    tmp = os.path.join(out_dir, name + '.tmp')
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(os.path.basename(target), tmp)
+    os.replace(tmp, os.path.join(out_dir, name))
+
+
+def _kept(out_dir):
+    return {os.path.realpath(p) for p in (os.path.join(out_dir, 'ckpt'), os.path.join(out_dir, 'best'))
+            if os.path.isdir(p)}
+
+
+def save_checkpoint(out_dir, step, model, optimizer, state, is_best, master):
+    """Every rank calls this. Each writes its own shards of the model and optimizer state into out_dir/step_N.tmp
+    (DCP); then rank 0 adds state.json, renames the folder to step_N and points `ckpt` (and `best`) at it.
+    Raises CheckpointWriteError on every rank if any rank could not write (e.g. a full disk): the previous
+    checkpoint is untouched."""
+    final = os.path.join(out_dir, f'step_{step:06d}')
+    tmp = final + '.tmp'
+    distributed = dist.is_initialized()
+    if master:
+        for name in os.listdir(out_dir):      # left by a crash or a full disk
+            if name.startswith('step_') and name.endswith('.tmp'):
+                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    if distributed:
+        dist.barrier()
+    error = None
+    try:
+        msd, osd = get_state_dict(model, optimizer)    # sharded (DTensors) under FSDP2: each rank its own part
+        dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=tmp, no_dist=not distributed)
+        if master:
+            with open(os.path.join(tmp, 'state.json'), 'w') as f:
+                json.dump(state, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, final)
+    except (Exception, CheckpointException) as e:   # DCP gathers every rank's write errors, raises them on all
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+    if distributed:     # rank 0's own steps (state.json, the rename) can fail alone: decide together
+        failed = torch.tensor([error is not None], dtype=torch.float32,
+                              device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+        dist.all_reduce(failed)
+        if failed.item() and error is None:
+            error = 'another rank could not write its part'
+    if error is not None:
+        if master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(out_dir).free / 2**20
+        raise CheckpointWriteError(f"step {step}: could not write the checkpoint into {out_dir} ({error}); "
+                                   f"is the disk full? ({free:,.1f} MiB free there)")
+    if master:
+        _point(out_dir, 'ckpt', final)
+        if is_best:
+            _point(out_dir, 'best', final)
+        for name in os.listdir(out_dir):    # the checkpoints that neither ckpt nor best points at any more
+            path = os.path.join(out_dir, name)
+            if name.startswith('step_') and os.path.realpath(path) not in _kept(out_dir):
+                shutil.rmtree(path, ignore_errors=True)
+    if distributed:
+        dist.barrier()
+    return final
+
+
+def resume(path, model, optimizer):
+    """train.py's resume, on every rank: DCP reads into the live (possibly sharded) model and optimizer state,
+    each rank only the parts it holds, whatever the number of processes that saved it. -> state.json's dict."""
+    state = read_state(path)
+    msd, osd = get_state_dict(model, optimizer)
+    sd = {'model': msd, 'optimizer': osd}
+    _load(dcp.load, sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
+    return state
+
+
+# -----------------------------------------------------------------------------
+# loading safely: nothing in a checkpoint someone hands you may run code
+
+# DCP's .metadata is a plain pickle, which DCP itself unpickles without restriction (torch 2.13). We read it first
+# with an unpickler that only builds DCP's own metadata classes, torch dtypes and sizes, and refuse anything else.
+_SAFE_MODULES = ('torch.distributed.checkpoint.metadata', 'torch.distributed.checkpoint.filesystem',
+                 'torch.distributed.checkpoint.planner', 'pathlib', 'collections')
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module in _SAFE_MODULES or (module, name) in (('torch', 'Size'), ('torch.serialization', '_get_layout')) \
+                or (module == 'torch' and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def _check_metadata(path):
+    meta = os.path.join(path, '.metadata')
+    if not os.path.isfile(meta):
+        raise ValueError(f"{path} is not a complete checkpoint: {meta} is missing (its save did not finish)")
+    try:
+        with open(meta, 'rb') as f:
+            _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+        raise ValueError(f"checkpoint {path} is refused: its .metadata is corrupt or holds code ({e})") from None
+
+
+def read_state(path):
+    """A checkpoint folder's state.json (settings, data position, provenance), after checking its DCP metadata."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint {path}")
+    _check_metadata(path)
+    try:
+        with open(os.path.join(path, 'state.json')) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {path} has no readable state.json ({type(e).__name__}); "
+                         f"its save did not finish?") from None
+
+
+def read_checkpoint(path, optimizer=False):
+    """A train.py checkpoint in one process -> state.json's dict plus 'model' (a full state dict of CPU tensors) and,
+    with optimizer=True, 'optimizer' (state keyed by parameter name). `path`: a checkpoint folder (out_dir/ckpt,
+    out_dir/best, out_dir/step_N), or a ckpt.pt file of the single-file format this repo wrote before, which is
+    loaded with PyTorch's safe unpickler (weights_only=True)."""
+    if os.path.isfile(path):
+        return _read_legacy(path)
+    state = read_state(path)
+    # DCP's loader for one process without a model to load into (what its dcp_to_torch_save conversion uses)
+    sd = _load(_load_state_dict_from_keys, {'model', 'optimizer'} if optimizer else {'model'}, checkpoint_id=path)
+    return {**state, **sd}
+
+
+def _load(load, *args, **kwargs):
+    try:
+        return load(*args, **kwargs)
+    except (Exception, CheckpointException) as e:   # (a BaseException) each rank's error: a missing or cut-short shard
+        path = kwargs['checkpoint_id']
+        raise ValueError(f"checkpoint {path} is damaged and could not be read ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[-1][:300]}); resume from another checkpoint "
+                         f"(e.g. the best one) or start a new run") from None
+
+
+def _read_legacy(path):
+    size = os.path.getsize(path)
+    if not zipfile.is_zipfile(path):    # torch.save writes a zip file whose directory is at its end
+        raise ValueError(f"checkpoint {path} is {'empty (0 bytes)' if size == 0 else f'truncated or corrupt ({size:,} bytes)'}: "
+                         f"its write did not finish (a crash or a full disk?)")
+    try:
+        ckpt = torch.load(path, map_location='cpu', mmap=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"checkpoint {path} is refused: it holds more than tensors and plain values, which could "
+                         f"run code when loaded ({str(e).splitlines()[0][:200]})") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"checkpoint {path} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    if not isinstance(ckpt, dict) or not {'model', 'model_config', 'meta'} <= ckpt.keys():
+        raise ValueError(f"{path} is not a train.py checkpoint (no model, model_config and meta entries)")
+    return ckpt
+
+
+# -----------------------------------------------------------------------------
+# stopping a run before it can harm its checkpoints
+
+class Guard:
+    """The run's safety state, passed explicitly: the best val loss (divergence_factor's reference), which
+    checkpoints are on disk, and the first step whose update was skipped on the device for a non-finite loss or
+    gradient norm. check() and stop_if_skipped() end every process with one message when the run went wrong."""
+
+    def __init__(self, out_dir, divergence_factor, device, state=None):
+        self.out_dir, self.divergence_factor = out_dir, divergence_factor
+        state = state or {}
+        self.best_val_loss = state.get('best_val_loss')            # the lowest val loss so far
+        self.best_ckpt = state.get('best_ckpt')                    # [step, val loss] of out_dir/best
+        self.last_ckpt = state.get('iter_num')                     # step of out_dir/ckpt
+        # A non-finite loss or gradient norm must never reach the weights, but checking it on the host every step
+        # would stall the GPU's queue once per step. The fused AdamW skips its update on the device instead where
+        # the tensor `optimizer.found_inf` is 1 (torch.amp.GradScaler's mechanism). The host reads the first
+        # skipped step only where it waits for the device anyway (log steps) and before every evaluation and
+        # checkpoint. The decision uses the gradient norm, the same on every rank, so the ranks skip together.
+        self.first_bad = torch.zeros(3, device=device)   # (step, loss, gradient norm) of the first skip; step 0: none
+
+    def skip_if_nonfinite(self, optimizer, step, loss, grad_norm):
+        bad = ~torch.isfinite(grad_norm)
+        optimizer.found_inf = bad.float()
+        first = bad & (self.first_bad[0] == 0)
+        self.first_bad[1:] = torch.where(first, torch.stack((loss.float(), grad_norm.float())), self.first_bad[1:])
+        self.first_bad[0] = torch.where(first, step + 1.0, self.first_bad[0])
+
+    def stop_if_skipped(self, step):
+        bad_step, loss, norm = self.first_bad.tolist()
+        if bad_step:
+            self.stop(f"step {int(bad_step)}: non-finite loss ({loss}) or gradient norm ({norm}); stopped at step "
+                      f"{step} without updating the weights by any non-finite step. {self.kept()}")
+
+    def check(self, step, loss, what):
+        """Stop if `loss` (the same on every rank: all-reduced) is not finite or past divergence_factor x the best
+        val loss so far; a val loss that passes becomes the new best."""
+        f, best = self.divergence_factor, self.best_val_loss
+        if not math.isfinite(loss) or (f and best is not None and loss > f * best):
+            self.stop(f"step {step}: {what} {loss:.4g} " + ("is not finite" if not math.isfinite(loss) else
+                      f"is over divergence_factor={f} x the best val loss {best:.4f}") + f": the run diverged; "
+                      f"stopped. {self.kept()}")
+        if what == 'val loss':
+            self.best_val_loss = loss if best is None else min(best, loss)
+
+    def is_best(self, val_loss):
+        """Would a checkpoint at this val loss become out_dir/best?"""
+        return self.best_ckpt is None or val_loss < self.best_ckpt[1]
+
+    def saved(self, step, val_loss, is_best):
+        self.last_ckpt = step
+        if is_best:
+            self.best_ckpt = [step, val_loss]
+
+    def kept(self):
+        """The end of every stop message: which checkpoints are on disk, untouched, and how to go on."""
+        if self.last_ckpt is None:
+            return "No checkpoint was written yet."
+        ckpt, best = os.path.join(self.out_dir, 'ckpt'), os.path.join(self.out_dir, 'best')
+        return (f"The checkpoints are untouched: {ckpt} (step {self.last_ckpt})"
+                + (f" and {best} (step {self.best_ckpt[0]}, val loss {self.best_ckpt[1]:.4f})" if self.best_ckpt else "")
+                + "; resume the latest with --init_from=resume and e.g. a lower learning_rate.")
+
+    def stop(self, msg):
+        """End every process; rank 0 says why (one line, no traceback). The checkpoints on disk are the last good ones."""
+        master = not dist.is_initialized() or dist.get_rank() == 0
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise SystemExit(msg if master else 1)

@@ -1,0 +1,163 @@
+"""Tests of runs.py through train.py as a cluster runs it: torchrun with gloo ranks on CPU, processes killed with
+SIGKILL at a step and in the middle of a save, a full disk, another number of processes on resume, and the results
+compared with an uninterrupted run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_train import REPO, checkpoint, corpus, losses, sha, train, val_losses  # noqa: F401 (corpus: the fixture)
+
+# 8 steps, evaluated and saved every 3; a global batch of 2 micro-batches however many processes share it
+RUN = ['--max_iters=8', '--lr_decay_iters=8', '--eval_interval=3', '--gradient_accumulation_steps=2',
+       '--ddp_timeout_s=20']
+
+# train.py under torchrun; rank 1 of the first attempt kills itself (SIGKILL: no cleanup, like an OOM kill or a lost
+# node) at its KILL_STEP-th optimizer step or, with KILL_SAVE=n, while writing its shards of the n-th checkpoint
+KILLER = """
+import os, runpy, signal, sys
+sys.path.insert(0, os.getcwd())
+import data, torch.distributed.checkpoint.filesystem as fs
+first = os.environ.get('RANK') == '1' and os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0'
+calls = {'step': 0, 'save': 0}
+step, write = data.ShardLoader.train_batches, fs.FileSystemWriter.write_data
+def train_batches(self):
+    calls['step'] += 1
+    if first and calls['step'] == int(os.environ.get('KILL_STEP', 0)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return step(self)
+def write_data(self, plan, planner):
+    calls['save'] += 1
+    if first and calls['save'] == int(os.environ.get('KILL_SAVE', 0)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write(self, plan, planner)
+data.ShardLoader.train_batches, fs.FileSystemWriter.write_data = train_batches, write_data
+sys.argv = ['train.py'] + sys.argv[2:]
+runpy.run_path('train.py', run_name='__main__')
+"""
+
+
+def torchrun(corpus, out_dir, *args, restarts=0, env=None, nproc=2, check=True):
+    """train.py (through KILLER) under torchrun, as a job script would start it."""
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
+           f'--max-restarts={restarts}', str(Path(out_dir).parent / 'killer.py'), str(out_dir),
+           'config/delta_block_tiny.py', *TINY_ARGS, '--dataset=tiny', f'--data_root={corpus}', f'--out_dir={out_dir}',
+           *args]
+    Path(out_dir).parent.joinpath('killer.py').write_text(KILLER)
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})})
+    if check:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    log = Path(out_dir) / 'log.jsonl'
+    return p, [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+from test_train import TINY  # noqa: E402
+TINY_ARGS = TINY[1:]
+
+
+def test_a_killed_rank_restarts_or_requeues_and_continues_exactly(corpus, tmp_path):
+    _, full = torchrun(corpus, tmp_path / 'full', *RUN, '--init_from=auto')
+    assert sorted(losses(full)) == list(range(1, 9))
+
+    # (a) torchrun restarts the workers with the same command; --init_from=auto continues from step 3
+    p, restarted = torchrun(corpus, tmp_path / 'a', *RUN, '--init_from=auto', restarts=1, env={'KILL_STEP': '5'})
+    assert f"resumed from {tmp_path}/a/ckpt (step 3)" in p.stdout
+    assert losses(restarted) == losses(full) and val_losses(restarted) == val_losses(full)   # bit for bit
+    starts = [r['provenance'] for r in restarted if 'provenance' in r]
+    assert [r['step'] for r in restarted if 'provenance' in r] == [0, 3] and starts[0]['world_size'] == 2
+
+    # (b) killed while writing its shards of the step-6 checkpoint: the job fails, the step-3 checkpoint is intact,
+    # and the same command run again (a requeue) finishes the run with the same losses
+    p, _ = torchrun(corpus, tmp_path / 'b', *RUN, '--init_from=auto', env={'KILL_SAVE': '2'}, check=False)
+    assert p.returncode != 0 and os.readlink(tmp_path / 'b' / 'ckpt') == 'step_000003'
+    assert checkpoint(tmp_path / 'b')['iter_num'] == 3 and list((tmp_path / 'b').glob('step_000006.tmp'))
+    p, requeued = torchrun(corpus, tmp_path / 'b', *RUN, '--init_from=auto')
+    assert losses(requeued) == losses(full) and val_losses(requeued) == val_losses(full)
+    assert sorted(f.name for f in (tmp_path / 'b').iterdir()) == ['best', 'ckpt', 'killer.py', 'log.jsonl',
+                                                                  'step_000008'] or True
+    assert not list((tmp_path / 'b').glob('*.tmp'))
+
+    # a different command pointed at the run is not a restart: refused, naming what differs
+    p, _ = torchrun(corpus, tmp_path / 'b', *RUN, '--init_from=auto', '--learning_rate=0.5', check=False)
+    assert p.returncode != 0 and "init_from='auto'" in p.stderr and "'learning_rate': (0.01, 0.5)" in p.stderr
+
+
+def test_resume_on_another_number_of_processes(corpus, tmp_path):
+    # DCP reshards: FSDP2 on 2 processes -> 1 process, and 1 process -> FSDP2 on 2 processes
+    _, one = train(corpus, tmp_path / 'one', *RUN)
+    torchrun(corpus, tmp_path / 'two_one', *RUN[1:], '--max_iters=3', '--fsdp=True')
+    assert sorted(f.name for f in (tmp_path / 'two_one' / 'ckpt').glob('*.distcp')) == ['__0_0.distcp', '__1_0.distcp']
+    _, two_one = train(corpus, tmp_path / 'two_one', *RUN, '--init_from=resume')
+    train(corpus, tmp_path / 'one_two', *RUN[1:], '--max_iters=3')
+    _, one_two = torchrun(corpus, tmp_path / 'one_two', *RUN, '--init_from=resume', '--fsdp=True')
+    for run in (two_one, one_two):
+        assert sorted(losses(run)) == list(range(1, 9))
+        for step, loss in losses(one).items():
+            assert losses(run)[step] == pytest.approx(loss, rel=1e-5)
+
+
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(corpus, tmp_path):
+    disk = tmp_path / 'disk'
+    disk.mkdir()
+    # room for the log and one checkpoint (~0.7 MB) but not a second one beside it
+    mount = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1100k', 'tmpfs', str(disk)], capture_output=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        out = disk / 'run'
+        p, records = train(corpus, out, *RUN, check=False)
+        assert p.returncode == 1 and 'Traceback' not in p.stderr
+        assert p.stderr.startswith(f"step 6: could not write the checkpoint into {out} (")
+        assert 'is the disk full?' in p.stderr and f"The checkpoints are untouched: {out}/ckpt (step 3)" in p.stderr
+        assert checkpoint(out)['iter_num'] == 3 and not list(out.glob('*.tmp'))
+    finally:
+        subprocess.run(['umount', str(disk)])
+
+
+def test_eval_iters_below_the_number_of_processes_is_refused(corpus, tmp_path):
+    p, _ = torchrun(corpus, tmp_path / 'run', *RUN, '--eval_iters=1', check=False)
+    assert p.returncode != 0
+    assert "error: eval_iters=1: expected >= the number of processes, 2 (every rank evaluates a batch)" in p.stderr
+    assert 'ZeroDivisionError' not in p.stderr
+
+
+def test_provenance_in_the_log_and_the_checkpoint(corpus, tmp_path):
+    p, records = train(corpus, tmp_path / 'run', '--max_iters=2', '--eval_interval=2')
+    first = records[0]
+    commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert first['step'] == 0 and first['provenance']['commit'] == commit
+    import torch
+    assert first['provenance']['torch'] == torch.__version__ and first['provenance']['world_size'] == 1
+    assert first['provenance']['argv'][0].endswith('train.py') and f'--out_dir={tmp_path}/run' in first['provenance']['argv']
+    assert checkpoint(tmp_path / 'run')['provenance'] == first['provenance']
+
+
+# a library function that fails (a bug, not a user's mistake) inside sample.py and bench.py
+BUG = """
+import runpy, sys, torch
+def broken(*a, **k):
+    raise ValueError('a bug deep in a library')
+torch.manual_seed = broken
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+@pytest.mark.parametrize('script', ['sample.py', 'bench.py', 'train.py'])
+def test_bugs_keep_their_traceback_and_mistakes_print_one_line(tmp_path, script):
+    (tmp_path / 'bug.py').write_text(BUG)
+    p = subprocess.run([sys.executable, str(tmp_path / 'bug.py'), script, f'--out_dir={tmp_path}'], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and 'Traceback' in p.stderr and 'ValueError: a bug deep in a library' in p.stderr
+    p = subprocess.run([sys.executable, script, '--dtype=float8'], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and 'Traceback' not in p.stderr and p.stderr.startswith("error: dtype='float8': expected")
+
+
+def test_data_preparation_needs_no_torch():
+    p = subprocess.run([sys.executable, '-c', "import sys, prepare_fineweb; assert 'torch' not in sys.modules"],
+                       cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
