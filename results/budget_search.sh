@@ -8,20 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=out/study/budget
-JOBS=${JOBS:-2}
-export OMP_NUM_THREADS=1
-[ -f data/demo/meta.json ] || python prepare_fineweb.py --demo
-
-train_one() {   # OUT_DIR SETTINGS...: one train.py run, its console output in OUT_DIR/train.txt
-    local dir=$1; shift
-    [ -f "$dir/done" ] && return 0
-    rm -rf "$dir" && mkdir -p "$dir"
-    python train.py "$@" --out_dir="$dir" > "$dir/train.txt" 2>&1 && touch "$dir/done"
-}
-export -f train_one
+source results/study_runs.sh     # run_all
 for steps in 1000 2000 4000; do
     for L in 24 12 4; do
         echo "$OUT/S$steps/standard_L$L config/study_cpu.py --residual=standard --seed=0 --n_layer=$L --max_iters=$steps" \
              "--lr_decay_iters=$steps --warmup_iters=100 --eval_interval=250 --eval_iters=32"
     done
-done | xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _
+done | run_all

@@ -6,18 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=out/study
-JOBS=${JOBS:-2}
-export OMP_NUM_THREADS=1
-[ -f data/demo/meta.json ] || python prepare_fineweb.py --demo
-
-train_one() {   # OUT_DIR SETTINGS...: one train.py run, its console output in OUT_DIR/train.txt
-    local dir=$1; shift
-    [ -f "$dir/done" ] && return 0
-    rm -rf "$dir" && mkdir -p "$dir"
-    python train.py "$@" --out_dir="$dir" > "$dir/train.txt" 2>&1 && touch "$dir/done"
-}
-export -f train_one
-run_all() { xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _; }
+source results/study_runs.sh     # run_all
 
 # 1. every mode (and Delta Block as the authors' code runs it) x 3 seeds, 8 layers
 for seed in 0 1 2; do

@@ -1,0 +1,15 @@
+# Sourced by the CPU study's scripts (cpu_study.sh, budget_search.sh): the demo corpus, and run_all, which reads
+# lines "OUT_DIR SETTINGS..." and runs each as one train.py run (JOBS at a time, one thread each), its console
+# output in OUT_DIR/train.txt. A finished run (OUT_DIR/done) is skipped, so a script can be stopped and restarted.
+JOBS=${JOBS:-2}
+export OMP_NUM_THREADS=1
+[ -f data/demo/meta.json ] || python prepare_fineweb.py --demo
+
+train_one() {
+    local dir=$1; shift
+    [ -f "$dir/done" ] && return 0
+    rm -rf "$dir" && mkdir -p "$dir"
+    python train.py "$@" --out_dir="$dir" > "$dir/train.txt" 2>&1 && touch "$dir/done"
+}
+export -f train_one
+run_all() { xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _; }
