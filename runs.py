@@ -208,13 +208,11 @@ def save_checkpoint(out_dir, step, model, optimizer, state, is_best, master):
 
 def resume(path, model, optimizer):
     """train.py's resume, on every rank: DCP reads into the live (possibly sharded) model and optimizer state,
-    each rank only the parts it holds, whatever the number of processes that saved it. -> state.json's dict."""
-    state = read_state(path)
+    each rank only the parts it holds, whatever the number of processes that saved it (read_state first)."""
     msd, osd = get_state_dict(model, optimizer)
     sd = {'model': msd, 'optimizer': osd}
     _load(dcp.load, sd, checkpoint_id=path, no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
-    return state
 
 
 # -----------------------------------------------------------------------------

@@ -200,7 +200,7 @@ def config_diff(other):
 
 state = None   # the checkpoint's settings, data position and best losses (state.json) when resuming
 if init_from == 'resume':
-    state = read_state(latest(out_dir))
+    state = read_state(latest(out_dir))    # (checks the checkpoint's DCP metadata before anything reads it)
     check_resume(latest(out_dir), state, asdict(model_config), meta, data_dir, config, auto=auto)
 if init_from in ('scratch', 'resume'):
     with torch.device(device):  # build directly on the GPU: no CPU copy of an 8B model per process
@@ -261,7 +261,7 @@ if peak_flops == 0 and dtype == 'bfloat16' and device_type == 'cuda':
     peak_flops = device_peak_flops(torch.cuda.get_device_name(device))  # None where the table has no entry
 iter_num = 0
 if state is not None:   # each rank reads its own shards of the weights and optimizer state (DCP reshards)
-    resume(latest(out_dir), raw_model, optimizer)
+    resume(latest(out_dir), raw_model, optimizer)   # (the folder read_state checked)
     iter_num, train_loader.pos = state['iter_num'], state['data_pos']
     if master:
         print(f"resumed from {latest(out_dir)} (step {iter_num})")
