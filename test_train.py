@@ -519,6 +519,6 @@ def test_study_configs(monkeypatch):
     study = configure(monkeypatch, 'config/study_cpu.py')
     convert = configure(monkeypatch, 'config/study_cpu_convert.py')
     shape = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'head_dim', 'intermediate_size', 'block_size', 'dataset')
-    assert [study[k] for k in shape] == [convert[k] for k in shape] == [8, 64, 4, 2, 16, 192, 64, 'demo']
+    assert [study[k] for k in shape] == [convert[k] for k in shape] == [12, 64, 4, 2, 16, 192, 64, 'demo']
     assert convert['init_from'] == 'out/study/convert/pretrained' and convert['seed'] != study['seed']
     assert study['max_iters'] == study['lr_decay_iters'] and convert['max_iters'] == convert['lr_decay_iters']

@@ -11,5 +11,4 @@ max_iters = 120
 lr_decay_iters = 120
 warmup_iters = 10
 eval_interval = 10              # the recovery curve
-eval_iters = 16
 log_interval = 10

@@ -1,35 +1,67 @@
 #!/usr/bin/env bash
-# The CPU study behind results/README.md, exactly as it was run: every residual mode x 3 seeds at 8
-# layers, the conversion of a pretrained 'standard' model, and a depth contrast (4 and 12 layers).
-# About an hour on 2 cores (JOBS runs in parallel, one thread each). A finished run is skipped, so
-# the script can be interrupted and started again. Then: python report.py ... (see results/README.md).
+# The CPU study behind results/README.md (config/study_cpu.py: d=64, 2.05M training tokens per run), in parts:
+#   compare  all five modes and delta_block variant=official, 12 layers, seeds 0-2        18 runs
+#   convert  the 12-layer standard model of seed 0, exported and fine-tuned as itself
+#            and converted to delta_block (with and without res_gate) and attnres           4 runs
+#   length   standard / attnres / delta_block, 12 layers, seed 0, at 0.25M, 1M, 4M tokens     9 runs
+#   depth    standard / attnres / delta_block at 4, 24, 36 layers, delta_attnres at 36, seeds 0-2  30 runs
+# bash results/cpu_study.sh [PART ...]   (default: all four, in this order). JOBS runs at a time, one thread
+# each (results/study_runs.sh); a finished run is skipped, so the script can be stopped and started again.
+# Each part's wall time is appended to out/study/time.txt. The tables: results/README.md gives report.py's commands.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=out/study
 source results/study_runs.sh     # run_all
+SEEDS="0 1 2"
 
-# 1. every mode (and Delta Block as the authors' code runs it) x 3 seeds, 8 layers
-for seed in 0 1 2; do
-    for mode in standard attnres full_attnres delta_attnres delta_block; do
-        echo "$OUT/L8/${mode}_s$seed config/study_cpu.py --residual=$mode --seed=$seed"
-    done
-    echo "$OUT/L8/delta_block_official_s$seed config/study_cpu.py --residual=delta_block --variant=official --seed=$seed"
-done | run_all
-
-# 2. conversion: export the standard model of seed 0, fine-tune it as itself and converted
-[ -f $OUT/convert/pretrained/config.json ] || python export.py $OUT/L8/standard_s0/ckpt $OUT/convert/pretrained
-{
-    echo "$OUT/convert/standard config/study_cpu_convert.py --residual=standard"
-    echo "$OUT/convert/delta_block_gate config/study_cpu_convert.py --residual=delta_block --res_gate=True"
-    echo "$OUT/convert/delta_block config/study_cpu_convert.py --residual=delta_block"
-    echo "$OUT/convert/attnres config/study_cpu_convert.py --residual=attnres"
-} | run_all
-
-# 3. depth contrast: the same recipe at 4 and 12 layers (8 is step 1), n_blocks 4 throughout
-for L in 4 12; do
-    for seed in 0 1 2; do
-        for mode in standard attnres delta_block; do
-            echo "$OUT/L$L/${mode}_s$seed config/study_cpu.py --residual=$mode --seed=$seed --n_layer=$L"
+compare() {
+    for seed in $SEEDS; do
+        for mode in standard attnres full_attnres delta_attnres delta_block; do
+            echo "$OUT/L12/${mode}_s$seed config/study_cpu.py --residual=$mode --seed=$seed"
         done
+        echo "$OUT/L12/delta_block_official_s$seed config/study_cpu.py --residual=delta_block --variant=official --seed=$seed"
+    done | run_all
+}
+
+convert() {
+    [ -f $OUT/L12/standard_s0/done ] || compare
+    [ -f $OUT/convert/pretrained/config.json ] || python export.py $OUT/L12/standard_s0/ckpt $OUT/convert/pretrained
+    {
+        echo "$OUT/convert/standard config/study_cpu_convert.py --residual=standard"
+        echo "$OUT/convert/delta_block_gate config/study_cpu_convert.py --residual=delta_block --res_gate=True"
+        echo "$OUT/convert/delta_block config/study_cpu_convert.py --residual=delta_block"
+        echo "$OUT/convert/attnres config/study_cpu_convert.py --residual=attnres"
+    } | run_all
+}
+
+length() {   # 2000 steps is the compare part; 250 steps keeps the old study's 25 warmup steps
+    for steps in 4000 1000 250; do
+        warmup=$(( steps < 1000 ? 25 : 100 )); every=$(( steps < 1000 ? 50 : 250 ))
+        for mode in standard attnres delta_block; do
+            echo "$OUT/length/S$steps/${mode}_s0 config/study_cpu.py --residual=$mode --seed=0 --max_iters=$steps" \
+                 "--lr_decay_iters=$steps --warmup_iters=$warmup --eval_interval=$every"
+        done
+    done | run_all
+}
+
+depth() {
+    for L in 4 24 36; do
+        for seed in $SEEDS; do
+            for mode in standard attnres delta_block; do
+                echo "$OUT/L$L/${mode}_s$seed config/study_cpu.py --residual=$mode --seed=$seed --n_layer=$L"
+            done
+            if [ $L = 36 ]; then
+                echo "$OUT/L$L/delta_attnres_s$seed config/study_cpu.py --residual=delta_attnres --seed=$seed --n_layer=$L"
+            fi
+        done
+    done | run_all
+}
+
+mkdir -p $OUT
+for part in "${@:-compare convert length depth}"; do
+    for p in $part; do
+        start=$(date +%s)
+        $p
+        echo "$p $(date -u +%FT%TZ) $(( $(date +%s) - start )) s wall, JOBS=$JOBS, $(git rev-parse --short HEAD)" >> $OUT/time.txt
     done
-done | run_all
+done
