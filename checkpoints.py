@@ -7,7 +7,6 @@ report.py). model.py is the model's math; this file is the formats (tokenizers: 
   save_hf writes a plain Qwen3 checkpoint for 'standard' and, for the routed modes, a directory that
   transformers loads with trust_remote_code=True, its remote code being hf_model.py + model.py itself;
 - train.py checkpoints (runs.py's format): load_model(init_from, out_dir), load_trained(path).
-GPT.from_qwen3 and GPT.save_qwen3 are the entry points to load_hf and save_hf.
 """
 import json
 import os

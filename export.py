@@ -1,6 +1,6 @@
 """
 Export a train.py checkpoint to a Hugging Face directory (config.json + model.safetensors, and its
-tokenizer as tokenizer.json + tokenizer_config.json), which transformers, GPT.from_qwen3 and sample.py load:
+tokenizer as tokenizer.json + tokenizer_config.json), which transformers, checkpoints.load_hf and sample.py load:
 
     python export.py out/finetune_qwen3_0.6b_delta_block/ckpt exported/qwen3_0.6b_delta_block
 (out_dir/ckpt is the latest checkpoint, out_dir/best the best validation loss's; a ckpt.pt from before the sharded
@@ -14,13 +14,13 @@ import argparse
 
 import torch
 
-from checkpoints import load_trained
+from checkpoints import load_trained, save_hf
 from tokenizer import save_hf_tokenizer
 
 
 def export(ckpt_path, dest, dtype=None):
     model, tokenizer = load_trained(str(ckpt_path))
-    model.save_qwen3(dest, dtype)
+    save_hf(model, dest, dtype)
     save_hf_tokenizer(tokenizer, dest, model.config.block_size)   # 'byte', 'gpt2' or a tokenizer.json
     return model
 

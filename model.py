@@ -10,7 +10,9 @@ Delta Block, arXiv 2605.18855). One file, read top to bottom:
       which sources are routed   (every sublayer's output, or per-block sums), and
       how the routed mix is used (it REPLACES the sublayer input, or is ADDED to the residual stream);
    variant='official' changes only the Delta modes' bookkeeping there, to what the authors' code runs;
-4. the optimizer and MFU helpers (Hugging Face checkpoints: checkpoints.py).
+4. the optimizer and MFU helpers.
+It imports nothing of this repo (exported directories carry a copy of it); Hugging Face checkpoints in and
+out: checkpoints.py.
 """
 
 import math
@@ -282,7 +284,7 @@ class Layer(nn.Module):
             self.add_module(f'{kind}_res_proj', nn.Linear(d, 1, bias=False))
             self.add_module(f'{kind}_res_norm', nn.RMSNorm(d, eps=cfg.rms_norm_eps))
             if cfg.res_gate:
-                # 1 = the plain additive mode; GPT.from_qwen3(..., identity_init=True) sets 0 (see checkpoints.py).
+                # 1 = the plain additive mode; checkpoints.load_hf(..., identity_init=True) sets 0.
                 # Shape (1,), not a 0-dim scalar: FSDP2 shards every parameter along dim 0 and refuses scalars.
                 self.register_parameter(f'{kind}_res_gate', nn.Parameter(torch.ones(1)))
 
@@ -415,23 +417,6 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return (logits, loss, site_stats) if stats else (logits, loss)
-
-    # -------------------------------------------------------------------------
-    # Hugging Face directories: the formats live in checkpoints.py, these are its entry points
-
-    @classmethod
-    def from_qwen3(cls, path, identity_init=False, **overrides):
-        """A model of any residual mode from a LOCAL Qwen3 checkpoint directory (converted on load; with
-        identity_init=True the additive modes start as exactly the checkpoint), a directory that
-        save_qwen3 wrote, or one the official code saved. See checkpoints.load_hf."""
-        from checkpoints import load_hf
-        return load_hf(path, identity_init, **overrides)
-
-    def save_qwen3(self, path, dtype=None):
-        """Write a Hugging Face directory: a plain Qwen3 checkpoint for 'standard', a transformers model
-        with remote code (trust_remote_code=True) for the routed modes. See checkpoints.save_hf."""
-        from checkpoints import save_hf
-        save_hf(self, path, dtype)
 
     # -------------------------------------------------------------------------
     # Training helpers, as in nanoGPT

@@ -5,7 +5,7 @@ From a train.py checkpoint (out_dir/ckpt; its dataset's tokenizer is recorded in
     python sample.py --out_dir=out/tiny --start="def " --max_new_tokens=200      # the quick start's run
 From a Hugging Face Qwen3 directory (its tokenizer.json is used), converted to a residual mode on the
 fly (additive modes with the exact identity init, so they sample like the checkpoint itself), or from
-a directory that GPT.save_qwen3 exported (it loads in the mode it was saved in):
+a directory that checkpoints.save_hf exported (it loads in the mode it was saved in):
     python sample.py --init_from=/path/to/Qwen3-0.6B --residual=delta_block --start=FILE:prompt.txt
 
 Routing mixes over depth, separately for every token, so only attention needs a cache: each new token

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tokenizer import get_tokenizer, save_hf_tokenizer
+from checkpoints import load_hf, save_hf
 from model import GPT, RESIDUAL_MODES
 from test_model import make_model, write_hf_qwen3
 from test_pretrained import randomize_gates
@@ -33,7 +34,7 @@ def test_every_mode_round_trips_through_transformers(tmp_path, mode):
     mode, _, extra = mode.partition('+')
     kw = dict(res_gate=extra == 'gate', tie_embeddings=extra != 'untied', variant='official' if extra == 'official' else 'paper')
     model = randomize_gates(make_model(mode, n_blocks=2, **kw))
-    model.save_qwen3(tmp_path)
+    save_hf(model, tmp_path)
     hf = load_transformers(tmp_path)
     # standard is a plain Qwen3; the routed modes are model.py's GPT itself, inside the remote-code wrapper
     assert type(hf).__name__ == ('Qwen3ForCausalLM' if mode == 'standard' else 'GPTForCausalLM')
@@ -61,7 +62,7 @@ def test_every_mode_round_trips_through_transformers(tmp_path, mode):
         assert seen == [5] + [1] * 8 + list(range(5, 14))
     # what transformers saves (save_pretrained, push_to_hub: with the code files) loads back here too
     hf.save_pretrained(tmp_path / 'resaved')
-    back = GPT.from_qwen3(tmp_path / 'resaved')
+    back = load_hf(tmp_path / 'resaved')
     assert back.config == model.config
     with torch.no_grad():
         assert torch.equal(back(idx)[0], ours)
@@ -69,11 +70,11 @@ def test_every_mode_round_trips_through_transformers(tmp_path, mode):
 
 def test_routed_directory_is_refused_without_remote_code(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
-    make_model('delta_block', n_blocks=2).save_qwen3(tmp_path)
+    save_hf(make_model('delta_block', n_blocks=2), tmp_path)
     # transformers must not load it as a plain Qwen3 with the routing silently dropped
     with pytest.raises(ValueError, match='trust_remote_code'):
         AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=False)
-    make_model('standard').save_qwen3(tmp_path / 'std')
+    save_hf(make_model('standard'), tmp_path / 'std')
     assert isinstance(AutoModelForCausalLM.from_pretrained(tmp_path / 'std'), Qwen3ForCausalLM)
 
 
@@ -82,7 +83,7 @@ def test_export_loads_in_a_fresh_python_elsewhere(tmp_path):
     import subprocess
     import sys
     model = make_model('delta_block', n_blocks=2)
-    model.save_qwen3(tmp_path / 'm')
+    save_hf(model, tmp_path / 'm')
     code = ("import torch; from transformers import AutoModelForCausalLM; "
             "m = AutoModelForCausalLM.from_pretrained('m', trust_remote_code=True); "
             "print(m(torch.arange(16)[None] % 61).logits.double().sum().item())")
@@ -95,7 +96,7 @@ def test_export_loads_in_a_fresh_python_elsewhere(tmp_path):
 
 
 def test_remote_model_refuses_padding(tmp_path):
-    make_model('attnres', n_blocks=2).save_qwen3(tmp_path)
+    save_hf(make_model('attnres', n_blocks=2), tmp_path)
     hf = load_transformers(tmp_path)
     idx = torch.randint(0, 61, (2, 8))
     mask = torch.ones_like(idx)
@@ -115,7 +116,7 @@ def test_export_script_writes_a_transformers_model_with_its_tokenizer(tmp_path):
     export.main([str(tmp_path / 'run' / 'ckpt.pt'), str(tmp_path / 'out')])
     stored = json.loads((tmp_path / 'out' / 'config.json').read_text())['attention_residuals']
     assert stored == {'residual': 'delta_block', 'n_blocks': 2, 'res_gate': False, 'variant': 'official'}
-    assert GPT.from_qwen3(tmp_path / 'out').config == model.config
+    assert load_hf(tmp_path / 'out').config == model.config
     tok = AutoTokenizer.from_pretrained(tmp_path / 'out')
     text = 'the cat sat'
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
@@ -191,7 +192,7 @@ def write_official(path, attnres_mode, **config):
 @pytest.mark.parametrize('attnres_mode', list(OFFICIAL))
 def test_official_checkpoint_loads(tmp_path, attnres_mode):
     tensors = write_official(tmp_path, attnres_mode)
-    model = GPT.from_qwen3(tmp_path)
+    model = load_hf(tmp_path)
     cfg = model.config
     assert (cfg.residual, cfg.n_blocks, cfg.res_gate) == (OFFICIAL[attnres_mode], 2, False)
     assert cfg.variant == ('official' if attnres_mode.startswith('delta') else 'paper')
@@ -203,10 +204,10 @@ def test_official_checkpoint_loads(tmp_path, attnres_mode):
         k.removeprefix('model.') for k in unused}
     # its config class's default of 8 blocks (and any count above the 4 layers) is one layer per block
     write_official(tmp_path, attnres_mode, attnres_num_blocks=8)
-    assert GPT.from_qwen3(tmp_path).config.layers_per_block == 1
+    assert load_hf(tmp_path).config.layers_per_block == 1
     # and it is saved, exported and loaded back with its variant
-    model.save_qwen3(tmp_path / 'ours')
-    assert GPT.from_qwen3(tmp_path / 'ours').config == cfg
+    save_hf(model, tmp_path / 'ours')
+    assert load_hf(tmp_path / 'ours').config == cfg
 
 
 @pytest.mark.parametrize('change, message', [
@@ -220,7 +221,7 @@ def test_official_checkpoint_loads(tmp_path, attnres_mode):
 def test_official_checkpoint_refusals(tmp_path, change, message):
     write_official(tmp_path, **{'attnres_mode': 'delta_block', **change})
     with pytest.raises(ValueError, match=message):
-        GPT.from_qwen3(tmp_path)
+        load_hf(tmp_path)
 
 
 # -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import model as model_module
+from checkpoints import load_hf
 from model import GPT, GPTConfig, RESIDUAL_MODES
 
 MODES = list(RESIDUAL_MODES)
@@ -414,7 +415,7 @@ def write_hf_qwen3(path, tie=True, **extra):
 @pytest.mark.parametrize('tie', [True, False])
 def test_standard_matches_transformers_qwen3(tmp_path, tie):
     hf = write_hf_qwen3(tmp_path, tie=tie)
-    model = GPT.from_qwen3(tmp_path).eval()
+    model = load_hf(tmp_path).eval()
     assert model.config.rope_theta == 10000.0 and model.config.tie_embeddings == tie
     idx = torch.randint(0, 61, (2, 16))
     with torch.no_grad():
@@ -433,9 +434,9 @@ def test_from_qwen3_any_mode_and_sharded(tmp_path):
         save_file({k: sd[k] for k in ks}, tmp_path / file)
     (tmp_path / 'model.safetensors.index.json').write_text(json.dumps(
         {'weight_map': {k: f for f, ks in shards.items() for k in ks}}))
-    base = GPT.from_qwen3(tmp_path)
+    base = load_hf(tmp_path)
     for mode in ROUTED:
-        model = GPT.from_qwen3(tmp_path, residual=mode, n_blocks=2)
+        model = load_hf(tmp_path, residual=mode, n_blocks=2)
         own = model.state_dict()
         for k, v in base.state_dict().items():
             assert torch.equal(own[k], v), k
@@ -444,7 +445,7 @@ def test_from_qwen3_any_mode_and_sharded(tmp_path):
 
 def test_from_qwen3_errors(tmp_path):
     with pytest.raises(ValueError, match='no config.json'):
-        GPT.from_qwen3(tmp_path)
+        load_hf(tmp_path)
     write_hf_qwen3(tmp_path)
     cfg = json.loads((tmp_path / 'config.json').read_text())
 
@@ -458,21 +459,21 @@ def test_from_qwen3_errors(tmp_path):
                              (dict(use_sliding_window=True), 'sliding-window'),
                              (dict(attention_bias=True), 'attention biases')]:
         with pytest.raises(ValueError, match=message):
-            GPT.from_qwen3(with_config(**changes))
+            load_hf(with_config(**changes))
     # both places HF writers keep rope_theta: rope_parameters (newer) and top level (older)
-    assert GPT.from_qwen3(with_config(rope_parameters={'rope_type': 'default', 'rope_theta': 5e5})).config.rope_theta == 5e5
+    assert load_hf(with_config(rope_parameters={'rope_type': 'default', 'rope_theta': 5e5})).config.rope_theta == 5e5
     older = {k: v for k, v in cfg.items() if k != 'rope_parameters'}
     (tmp_path / 'config.json').write_text(json.dumps({**older, 'rope_theta': 2e5, 'rope_scaling': None}))
-    assert GPT.from_qwen3(tmp_path).config.rope_theta == 2e5
+    assert load_hf(tmp_path).config.rope_theta == 2e5
     with_config()
     sd = load_file(tmp_path / 'model.safetensors')
     del sd['model.layers.1.mlp.up_proj.weight']
     save_file(sd, tmp_path / 'model.safetensors')
     with pytest.raises(ValueError, match=r'missing tensors \[.layers\.1\.mlp\.up_proj\.weight.\]'):
-        GPT.from_qwen3(tmp_path)
+        load_hf(tmp_path)
     (tmp_path / 'model.safetensors').unlink()
     with pytest.raises(ValueError, match='neither model.safetensors'):
-        GPT.from_qwen3(tmp_path)
+        load_hf(tmp_path)
 
 
 if __name__ == '__main__':
@@ -488,3 +489,16 @@ if __name__ == '__main__':
             cumulative = [rel(f) for f in ((0, 0, 0, 1), (0, 0, 1, 1), (0, 1, 1, 1), (1, 1, 1, 1))]
         print(f"n_layer 5, n_blocks {n_blocks}: " + ', '.join(f"{n} {a:.3f}" for n, a in zip(names, alone))
               + f" | cumulative 4, +3, +2, +1: {', '.join(f'{c:.3f}' for c in cumulative)}")
+
+
+def test_model_imports_nothing_of_the_repo():
+    # an exported directory carries a copy of model.py as transformers remote code, where no other file of this
+    # repo can be imported: every import in it (at any depth) must name an installed package
+    import ast
+    from pathlib import Path
+    here = Path(__file__).parent
+    ours = {p.stem for p in here.glob('*.py')}
+    tree = ast.parse((here / 'model.py').read_text())
+    names = {a.name.split('.')[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split('.')[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert names and not names & ours, names & ours

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoints import load_hf, save_hf
 from model import GPT, KVCache, RESIDUAL_MODES
 from test_model import make_model, write_hf_qwen3
 
@@ -45,7 +46,7 @@ def trained_dir(tmp_path_factory, hf_dir):
     """A 'pretrained' tiny Qwen3: the random checkpoint fine-tuned on the pattern task, re-exported.
     A loss jump at conversion only means something for a model that has learned something."""
     torch.manual_seed(0)
-    model = GPT.from_qwen3(hf_dir)
+    model = load_hf(hf_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     for step in range(40):
         x, y = pattern_batch(16, seed=step)
@@ -54,7 +55,7 @@ def trained_dir(tmp_path_factory, hf_dir):
         loss.backward()
         opt.step()
     path = tmp_path_factory.mktemp('trained')
-    model.save_qwen3(path)
+    save_hf(model, path)
     return path
 
 
@@ -63,8 +64,8 @@ def trained_dir(tmp_path_factory, hf_dir):
 
 @pytest.mark.parametrize('mode', ADDITIVE)
 def test_identity_init_is_exact_and_can_learn(hf_dir, mode):
-    base = GPT.from_qwen3(hf_dir).eval()
-    model = GPT.from_qwen3(hf_dir, residual=mode, n_blocks=2, identity_init=True)
+    base = load_hf(hf_dir).eval()
+    model = load_hf(hf_dir, residual=mode, n_blocks=2, identity_init=True)
     assert model.config.res_gate
     x, y = pattern_batch(4)
     with torch.no_grad():
@@ -72,7 +73,7 @@ def test_identity_init_is_exact_and_can_learn(hf_dir, mode):
         out, loss = model(x, y)
     assert (out - ref).abs().max().item() <= 1e-5
     # without the gate, zero queries give x = h + mean(sources): close, but the scale leaks through
-    plain = GPT.from_qwen3(hf_dir, residual=mode, n_blocks=2)
+    plain = load_hf(hf_dir, residual=mode, n_blocks=2)
     with torch.no_grad():
         assert (plain(x)[0] - ref).abs().max().item() > 1e-5
 
@@ -103,11 +104,11 @@ def test_replacement_modes_convert_inexactly(trained_dir, mode):
     # uniform routing makes the sublayer input h/N (the sources sum to h), which pre-norm sees as h
     # with eps scaled by N^2: close to the pretrained model, but not equal, and no gate can fix it
     with pytest.raises(ValueError, match='cannot be exact'):
-        GPT.from_qwen3(trained_dir, residual=mode, identity_init=True)
+        load_hf(trained_dir, residual=mode, identity_init=True)
     x, y = pattern_batch(64, seed=1000)
     with torch.no_grad():
-        base_logits, base_loss = GPT.from_qwen3(trained_dir)(x, y)
-    model = GPT.from_qwen3(trained_dir, residual=mode, n_blocks=2)
+        base_logits, base_loss = load_hf(trained_dir)(x, y)
+    model = load_hf(trained_dir, residual=mode, n_blocks=2)
     logits, loss = model(x, y)
     loss.backward()
     assert torch.isfinite(loss)
@@ -121,9 +122,9 @@ def test_replacement_modes_convert_inexactly(trained_dir, mode):
 def test_identity_holds_on_a_trained_checkpoint(trained_dir):
     x, y = pattern_batch(64, seed=1000)
     with torch.no_grad():
-        _, base_loss = GPT.from_qwen3(trained_dir)(x, y)
+        _, base_loss = load_hf(trained_dir)(x, y)
         for mode in ADDITIVE:
-            _, loss = GPT.from_qwen3(trained_dir, residual=mode, identity_init=True)(x, y)
+            _, loss = load_hf(trained_dir, residual=mode, identity_init=True)(x, y)
             assert abs(loss.item() - base_loss.item()) <= 1e-5
         print(f"\npretrained loss {base_loss.item():.4f}; additive modes with identity_init: equal")
 
@@ -158,8 +159,8 @@ def test_kv_cache_matches_full_forward(mode):
 def test_export_round_trip(tmp_path, mode, tie):
     gate = mode.endswith('+gate')
     model = randomize_gates(make_model(mode.removesuffix('+gate'), n_blocks=2, res_gate=gate, tie_embeddings=tie))
-    model.save_qwen3(tmp_path)
-    back = GPT.from_qwen3(tmp_path).eval()
+    save_hf(model, tmp_path)
+    back = load_hf(tmp_path).eval()
     assert back.config == model.config
     own, theirs = model.state_dict(), back.state_dict()
     assert own.keys() == theirs.keys()
@@ -179,18 +180,18 @@ def test_scalar_gates_of_older_checkpoints_load(tmp_path):
     fresh = make_model('delta_block', n_blocks=2, res_gate=True, seed=1)
     fresh.load_state_dict(old)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
-    model.save_qwen3(tmp_path)
+    save_hf(model, tmp_path)
     tensors = load_file(tmp_path / 'model.safetensors')
     save_file({k: v.reshape(()) if k.endswith('_res_gate') else v for k, v in tensors.items()},
               tmp_path / 'model.safetensors', metadata={'format': 'pt'})
-    back = GPT.from_qwen3(tmp_path)
+    back = load_hf(tmp_path)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in back.state_dict().items())
 
 
 def test_export_standard_loads_in_transformers(tmp_path, hf_dir):
     from transformers import Qwen3ForCausalLM
-    model = GPT.from_qwen3(hf_dir).eval()
-    model.save_qwen3(tmp_path)
+    model = load_hf(hf_dir).eval()
+    save_hf(model, tmp_path)
     hf = Qwen3ForCausalLM.from_pretrained(tmp_path).eval()
     idx = torch.randint(0, 61, (2, 16))
     with torch.no_grad():
@@ -198,12 +199,12 @@ def test_export_standard_loads_in_transformers(tmp_path, hf_dir):
 
 
 def test_export_refuses_mismatched_loads(tmp_path):
-    make_model('delta_block', n_blocks=2).save_qwen3(tmp_path)
+    save_hf(make_model('delta_block', n_blocks=2), tmp_path)
     assert json.loads((tmp_path / 'config.json').read_text())['attention_residuals']['residual'] == 'delta_block'
     with pytest.raises(ValueError, match="residual='delta_block' stored, 'attnres' requested"):
-        GPT.from_qwen3(tmp_path, residual='attnres')
+        load_hf(tmp_path, residual='attnres')
     with pytest.raises(ValueError, match='already holds a trained'):
-        GPT.from_qwen3(tmp_path, identity_init=True)
+        load_hf(tmp_path, identity_init=True)
     with pytest.raises(ValueError, match='res_gate applies to the additive modes'):
         make_model('attnres', res_gate=True)
 
@@ -358,7 +359,7 @@ def test_finetune_from_qwen3(tmp_path, hf_dir, toy_data):
     assert group['lr_scale'] == pytest.approx(100.0) and group['lr'] == pytest.approx(100 * last_lr)
     # export -> load back: the same model
     model = export.export(tmp_path / 'delta' / 'ckpt', tmp_path / 'exported')
-    back = GPT.from_qwen3(tmp_path / 'exported')
+    back = load_hf(tmp_path / 'exported')
     assert (tmp_path / 'exported' / 'tokenizer.json').read_text() == (toy_data / 'tokenizer.json').read_text()
     idx = torch.randint(0, 50, (2, 16))
     with torch.no_grad():

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from checkpoints import load_hf
 from data import ShardLoader, load_meta
 from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
 from runs import (CheckpointWriteError, Guard, check_resume, clear, init_distributed, latest, open_log, provenance,
@@ -76,7 +77,7 @@ n_blocks = 4
 variant = 'paper'           # 'paper': the papers' definitions; 'official': the authors' code as run (see model.py)
 routing_init_std = 0.0      # routing queries at init: 0 = uniform routing (the papers); the authors' code: 0.02
 res_gate = False            # additive modes: x = h + gate * routed; with a Qwen3 init_from the gates start at 0,
-                            # so the converted model is exactly the pretrained one (see GPT.from_qwen3)
+                            # so the converted model is exactly the pretrained one (see checkpoints.load_hf)
 # AdamW
 learning_rate = 6e-4
 max_iters = 10000
@@ -209,7 +210,7 @@ else:
     # The config must spell out the checkpoint's shapes (config/_finetune_qwen3_0.6b.py does), so that the run's
     # model_config describes the model and --init_from=resume rebuilds it from the config alone.
     # The RoPE tables only need the training block_size, not the checkpoint's 40,960 positions.
-    model = GPT.from_qwen3(init_from, identity_init=res_gate, residual=residual, n_blocks=n_blocks, variant=variant,
+    model = load_hf(init_from, identity_init=res_gate, residual=residual, n_blocks=n_blocks, variant=variant,
                            block_size=block_size)
     if diff := config_diff(asdict(model.config)):
         raise ValueError(f"init_from={init_from} holds another model than this config describes; set these "
