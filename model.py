@@ -187,6 +187,43 @@ def routing_stats(alpha):
     }
 
 
+class Routing:
+    """The routing state of one forward pass, passed explicitly through GPT.forward's loop:
+        sources    the completed sources, in order ([E, v_0, v_1, ...] or [E, b_1, b_2, ...])
+        block      the block modes' open block: the running sum of its sublayer outputs, or None
+        rinvs      1/rms of each completed source (route_fast), computed once for every later site
+    and four verbs: complete(s) adds a source, add_to_block(v) / close_block() keep the open block,
+    route(name, proj, norm) mixes the completed sources and the open block at one site."""
+
+    def __init__(self, eps, fast=True, stats=None):
+        self.sources, self.block, self.rinvs = [], None, []
+        self.eps, self.fast, self.stats = eps, fast, stats     # stats: a dict to fill with routing_stats, or None
+
+    def complete(self, s):
+        self.sources.append(s)
+
+    def add_to_block(self, v):
+        self.block = v if self.block is None else self.block + v
+
+    def close_block(self):
+        if self.block is not None:
+            self.complete(self.block)
+            self.block = None
+
+    def route(self, name, proj, norm):
+        srcs = self.sources + ([] if self.block is None else [self.block])
+        if self.fast:
+            self.rinvs += [rms_inv(s, self.eps) for s in self.sources[len(self.rinvs):]]   # newly completed ones
+            rinvs = self.rinvs + ([] if self.block is None else [rms_inv(self.block, self.eps)])
+            out, alpha = route_fast(srcs, rinvs, proj, norm)
+        else:
+            out, alpha = route(srcs, proj, norm)
+        if self.stats is not None:
+            with torch.no_grad():
+                self.stats[name] = routing_stats(alpha)
+        return out
+
+
 # -----------------------------------------------------------------------------
 # Qwen3 building blocks
 
@@ -362,53 +399,36 @@ class GPT(nn.Module):
         official = self.config.official
         # the layers that open a block (sublayer modes: only the first layer, for the official variant)
         lpb = self.config.layers_per_block if self.granularity == 'block' else self.config.n_layer
-        site_stats = {}
-
-        rinvs = []              # route_fast: 1/rms of sources[i], computed once for all later sites
-
-        def mix(name, proj, norm):
-            """Route over the completed sources and the open block's partial sum, if there is one."""
-            srcs = sources + ([] if partial is None else [partial])
-            if self.fast_routing:
-                # `sources` only grows, so the 1/rms of each completed source is computed once
-                rinvs.extend([rms_inv(s, norm.eps) for s in sources[len(rinvs):]])
-                out, alpha = route_fast(srcs, rinvs + [rms_inv(s, norm.eps) for s in srcs[len(rinvs):]], proj, norm)
-            else:
-                out, alpha = route(srcs, proj, norm)
-            if stats:
-                with torch.no_grad():
-                    site_stats[name] = routing_stats(alpha)
-            return out
-
+        replace, site_stats = self.mixing == 'replace', {}
         E = self.embed_tokens(idx)
         h = E                   # the ordinary residual stream (standard and Delta modes)
-        sources = [] if official else [E]   # completed sources: [E, v_0, v_1, ...] or [E, b_1, b_2, ...]
-        partial = None          # block modes: sum of the current block's sublayer outputs so far
+        routing = Routing(self.config.rms_norm_eps, self.fast_routing, site_stats if stats else None)
+        if not official:
+            routing.complete(E)
         for i, layer in enumerate(self.layers):
             for kind, f, proj, norm, gate in layer.sublayers(cos, sin, None if kv_cache is None else kv_cache.layers[i]):
                 opens_block = kind == 'attn' and i % lpb == 0
+                if self.granularity == 'block' and opens_block and not official:
+                    routing.close_block()                              # block boundary
                 if proj is None:
                     x = h                                              # no routing site here
                 else:
-                    if self.granularity == 'block' and opens_block and partial is not None:
-                        sources.append(partial)                        # block boundary: close the block
-                        partial = None
-                    routed = mix(f'layers.{i}.{kind}', proj, norm)
-                    x = routed if self.mixing == 'replace' else h + (routed if gate is None else gate * routed)
+                    routed = routing.route(f'layers.{i}.{kind}', proj, norm)
+                    x = routed if replace else h + (routed if gate is None else gate * routed)
                 v = f(x)
                 if official and opens_block:
                     # The authors' code (variant='official') closes a block only now, after the next
                     # block's first attention has routed without it, and stores h - (previous source)
                     # instead of the block's delta; the first such source is E itself.
-                    sources.append(h - sources[-1] if sources else h)
-                if self.mixing != 'replace':
+                    routing.complete(h - routing.sources[-1] if routing.sources else h)
+                if not replace:
                     h = h + v                                          # the residual stream is kept
                 if self.granularity == 'sublayer':
-                    sources.append(v)
+                    routing.complete(v)
                 elif self.granularity == 'block' and not official:     # official: the open block is no source
-                    partial = v if partial is None else partial + v    # = h(now) - h(block start) in Delta Block
-        if self.mixing == 'replace':
-            h = mix('final', self.final_res_proj, self.final_res_norm)
+                    routing.add_to_block(v)                            # = h(now) - h(block start) in Delta Block
+        if replace:
+            h = routing.route('final', self.final_res_proj, self.final_res_norm)
 
         if kv_cache is not None:
             kv_cache.pos += T
@@ -438,20 +458,25 @@ class GPT(nn.Module):
         # fused (one kernel per step, CPU and GPU alike): it can skip a step on the device (train.py's found_inf)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
-    def routing_sources(self):
-        """Number of sources each routing site sees, in forward order (for the FLOP count)."""
+    def routing_sites(self):
+        """(completed sources, 1 if the open block is a source too) at each routing site, in forward order."""
         cfg, lpb = self.config, self.config.layers_per_block
         if self.mixing is None:
             return []
         if self.granularity == 'sublayer':
-            counts = list(range(1, 2 * cfg.n_layer + 1))
-        else:   # [E, blocks so far] + the partial block, which is empty only at a block's first attention
-            counts = [1 + i // lpb + (kind == 'mlp' or i % lpb != 0) for i in range(cfg.n_layer) for kind in ('attn', 'mlp')]
+            sites = [(1 + k, 0) for k in range(2 * cfg.n_layer)]
+        else:   # [E, blocks so far] + the open block, which is empty only at a block's first attention
+            sites = [(1 + i // lpb, int(kind == 'mlp' or i % lpb != 0)) for i in range(cfg.n_layer) for kind in ('attn', 'mlp')]
         if self.mixing == 'replace':   # the final site also sees the last sublayer's output
-            counts.append(counts[-1] + (self.granularity == 'sublayer'))
+            n, o = sites[-1]
+            sites.append((n + 1, 0) if self.granularity == 'sublayer' else (n, o))
         if self.config.official:       # the first attention is not routed; Delta Block's open block is no source
-            counts = [n - (self.granularity == 'block') for n in counts[1:]]
-        return counts
+            sites = [(n + o - (self.granularity == 'block'), 0) for n, o in sites[1:]]
+        return sites
+
+    def routing_sources(self):
+        """Number of sources each routing site sees, in forward order (for the FLOP count)."""
+        return [n + o for n, o in self.routing_sites()]
 
     def flops_per_token(self, T):
         """Training FLOPs (forward + backward) per token: 6N for the matmuls, attention scores as in

@@ -367,6 +367,11 @@ def test_optimizer_groups_and_flops():
     assert model.routing_sources() == list(range(1, 11)) + [11]
     assert GPT(tiny_config(residual='attnres', n_blocks=3)).routing_sources() == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]
     assert GPT(tiny_config(residual='delta_block', n_blocks=3)).routing_sources() == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4]
+    # which of them is the open block (5 layers in blocks of 2): E, then at each block's first attention a closed block
+    assert GPT(tiny_config(residual='delta_block', n_blocks=3)).routing_sites() == [
+        (1, 0), (1, 1), (1, 1), (1, 1), (2, 0), (2, 1), (2, 1), (2, 1), (3, 0), (3, 1)]
+    assert GPT(tiny_config(residual='delta_block', n_blocks=3, variant='official')).routing_sites() == [
+        (1, 0), (1, 0), (1, 0), (1, 0), (2, 0), (2, 0), (2, 0), (2, 0), (3, 0)]
     std, full = GPT(tiny_config()), model
     assert full.flops_per_token(16) - std.flops_per_token(16) == 3 * 4 * 32 * sum(range(1, 11)) + 3 * 4 * 32 * 11 + 6 * 22 * 32
 
