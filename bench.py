@@ -21,13 +21,21 @@ hold on a noisy machine. Columns:
                    parameters left out. Measured in eager mode, outside the timing.
   MFU              GPU: model FLOPs (GPT.flops_per_token) per second over the device's peak BF16 dense
                    FLOP/s (model.PEAK_FLOPS, or --peak_flops=...).
+  1st step s       the mode's first training step: with compile, its compile time (forward and backward)
+                   from a cold start (cold_compile: inductor's on-disk caches off, a fresh cache folder)
+Then the routing's modelled memory traffic (routing_traffic, docs/routing.md) at this shape and at the
+paper's 1b shape: what route(), route_fast and the planned two-phase schedule read and write per token.
 """
 
+import atexit
 import contextlib
 import json as jsonlib
+import math
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -58,6 +66,7 @@ weight_decay = 0.1
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'  # autocast dtype; 'float32' = none
 compile = torch.cuda.is_available()     # torch.compile each model
+cold_compile = True         # with compile: inductor's on-disk caches off, so '1st step s' is a cold compile
 peak_flops = 0.0            # device peak FLOP/s for MFU; 0 = look the device up in model.PEAK_FLOPS
 seed = 1337
 json = False                # print one JSON document instead of the table
@@ -67,6 +76,41 @@ sys.argv = [('--json=True' if a == '--json' else a) for a in sys.argv]
 with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sys.argv) else sys.stdout):
     exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())
 # -----------------------------------------------------------------------------
+
+# -----------------------------------------------------------------------------
+# The routing's memory traffic, modelled per token of one training step (forward + backward), in passes over a
+# B x T x d tensor (one read or one write of a source-sized tensor); docs/routing.md derives each term op by op.
+#   route()       per site with N sources: 19N + 3 (stack, RMSNorm of the stack, logits, mix; their backward)
+#   route_fast    per site: 11N + 1 (logits, mix; backward), per source: 4 (its 1/rms, once)
+#   two-phase     per group of G sites over the n sources completed before it: 4n + 3G (phase 1, one pass for all
+#                 G sites); per site merging e later sources: 6 + 5e (phase 2); per source: 5 (its logits against
+#                 every later site, one [B*T, d] x [d, sites] product, and their backward)
+TRAFFIC = {
+    'route':      dict(site=lambda N: 19 * N + 3, source=0),
+    'route_fast': dict(site=lambda N: 11 * N + 1, source=4),
+}
+
+
+def routing_traffic(sites, d, bytes_per_element, group):
+    """{schedule: bytes per token} of the routing for route(), route_fast and the two-phase schedule, given
+    GPT.routing_sites() (each site's completed sources n, and o = 1 if the open block is a source too). Two-phase:
+    a new group starts where `group` sources have been completed since the current group started."""
+    n_sources = sites[-1][0]
+    passes = {name: sum(t['site'](n + o) for n, o in sites) + t['source'] * n_sources for name, t in TRAFFIC.items()}
+    groups = []                                         # [n completed at its start, its sites' merged sources e]
+    for n, o in sites:
+        if not groups or n - groups[-1][0] >= group:
+            groups.append([n, []])
+        groups[-1][1].append(n - groups[-1][0] + o)    # phase 2: completed since the group started, the open block
+    passes['two_phase'] = 5 * n_sources + sum(4 * n + 3 * len(es) + sum(6 + 5 * e for e in es) for n, es in groups)
+    return {name: p * d * bytes_per_element for name, p in passes.items()}
+
+
+def two_phase_group(mode, n_sites):
+    """The two-phase schedule's group: a block per group (Kimi's schedule) for the block modes; about sqrt(sites)
+    for the sublayer modes, which balances phase 1 (n per group) against phase 2 (e per site)."""
+    return 1 if RESIDUAL_MODES[mode][0] == 'block' else max(1, round(math.sqrt(n_sites)))
+
 
 def peak_flops_here():
     if peak_flops:
@@ -111,12 +155,20 @@ def main():
         'residual': (set(modes) <= set(RESIDUAL_MODES), f"'all' or modes from {', '.join(RESIDUAL_MODES)}, joined by commas"),
         'routing': (routing in ('fast', 'naive', 'both'), "'fast', 'naive' or 'both'"),
         'dtype': (dtype in ('float32', 'bfloat16', 'float16'), "'float32', 'bfloat16' or 'float16'"),
+        'warmup': (warmup >= 1, 'at least 1 (the first step is timed: with compile, the compile time)'),
     })
     if 'standard' not in modes:
         modes = ['standard'] + modes        # the reference of every ratio
     runs = [(m, r) for m in modes for r in (('fast', 'naive') if routing == 'both' else (routing,))
             if not (m == 'standard' and r == 'naive')]     # standard routes nothing
 
+    if compile and cold_compile:    # a warm cache turns a minute of compilation into seconds: measure it cold
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+        os.environ['TORCHINDUCTOR_CACHE_DIR'] = cache = tempfile.mkdtemp(prefix='bench_inductor_')
+        atexit.register(shutil.rmtree, cache, True)
+        inductor_config.fx_graph_cache = inductor_config.autotune_local_cache = False
+        functorch_config.enable_autograd_cache = False
     torch.manual_seed(seed)
     device_type = 'cuda' if device.startswith('cuda') else 'cpu'
     ctx = (contextlib.nullcontext() if dtype == 'float32'
@@ -149,10 +201,15 @@ def main():
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        for _ in range(warmup):
+        sync()
+        t0 = time.perf_counter()
+        step()                                      # with compile: compiles forward and backward
+        sync()
+        first_step = time.perf_counter() - t0
+        for _ in range(warmup - 1):
             step()
         sync()
-        rows[(mode, rt)] = dict(mode=mode, routing=rt, params=model.get_num_params(), saved_bytes=saved,
+        rows[(mode, rt)] = dict(mode=mode, routing=rt, params=model.get_num_params(), saved_bytes=saved, first_step_s=first_step,
                                 step=step, model=model, optimizer=optimizer, times=[], peak_bytes=None,
                                 flops_per_token=model.flops_per_token(block_size))
 
@@ -195,8 +252,16 @@ def main():
                  warmup=warmup, repeats=repeats, steps=steps, peak_flops=peak,
                  saved='activations saved for backward, eager, each storage once, parameters excluded',
                  peak='torch.cuda.max_memory_allocated of the mode alone' if device_type == 'cuda' else None)
+    # the modelled routing traffic at this shape and at the paper's 1b shape (d=1280, 36 layers, 4 blocks, BF16)
+    shapes = {'this': (n_layer, n_embd, n_blocks, 2 if dtype in ('bfloat16', 'float16') else 4), '1b': (36, 1280, 4, 2)}
+    with torch.device('meta'):      # the shapes only: no memory
+        sites = lambda m, L, d, nb: GPT(GPTConfig(vocab_size=8, n_layer=L, n_embd=d, n_head=1, n_kv_head=1, head_dim=8,
+                                                  intermediate_size=8, residual=m, n_blocks=nb, variant=variant)).routing_sites()
+        traffic = {shape: {m: routing_traffic(S := sites(m, L, d, nb), d, b, two_phase_group(m, len(S)))
+                           for m in modes if m != 'standard'}
+                   for shape, (L, d, nb, b) in shapes.items()}
     if json:
-        print(jsonlib.dumps(dict(setup=setup, rows=list(rows.values())), indent=1))
+        print(jsonlib.dumps(dict(setup=setup, rows=list(rows.values()), traffic=traffic), indent=1))
         return
     print(f"# {setup['device']}, torch {setup['torch']}, {dtype}, compile={compile}; L={n_layer} d={n_embd} "
           f"T={block_size} batch={batch_size} vocab={vocab_size} n_blocks={n_blocks}; "
@@ -204,7 +269,7 @@ def main():
     print(f"# saved = {setup['saved']}" + (f"; peak = {setup['peak']}" if setup['peak'] else
                                            "; peak: CPU, not measured"))
     head = (f"{'mode':<22} {'params':>8} {'tok/s':>9} {'x std':>6} {'range':>9} {'peak MB':>9} {'x std':>6} "
-            f"{'saved MB':>9} {'x std':>6} {'MFU':>6}")
+            f"{'saved MB':>9} {'x std':>6} {'MFU':>6} {'1st step s':>10}")
     print(head)
     print('-' * len(head))
     for row in rows.values():
@@ -213,7 +278,13 @@ def main():
         mfu_s = f"{100 * row['mfu']:5.1f}%" if row['mfu'] is not None else f"{'-':>6}"
         lo, hi = row['tok_per_s_ratio_range']
         print(f"{name:<22} {row['params'] / 1e6:7.2f}M {row['tok_per_s']:9.0f} {row['tok_per_s_ratio']:6.2f} {lo:4.2f}-{hi:4.2f} {peak_s} "
-              f"{row['saved_bytes'] / 2**20:9.1f} {row['saved_ratio']:6.2f} {mfu_s}")
+              f"{row['saved_bytes'] / 2**20:9.1f} {row['saved_ratio']:6.2f} {mfu_s} {row['first_step_s']:10.1f}")
+    print(f"\n# routing traffic per token of a training step, modelled (docs/routing.md): MB read + written")
+    print(f"{'mode':<22} {'shape':<28} {'route()':>9} {'route_fast':>10} {'two-phase':>9} {'fast/two-phase':>14}")
+    for shape, (L, d, nb, b) in shapes.items():
+        for m, t in traffic[shape].items():
+            print(f"{m:<22} {f'L={L} d={d} {8 * b}-bit':<28} {t['route'] / 1e6:9.2f} {t['route_fast'] / 1e6:10.2f} "
+                  f"{t['two_phase'] / 1e6:9.2f} {t['route_fast'] / t['two_phase']:14.1f}")
 
 
 if __name__ == '__main__':

@@ -244,6 +244,21 @@ def test_bench_json():
     assert 0 < lo <= delta['tok_per_s_ratio'] <= hi
 
 
+def test_bench_routing_traffic_model():
+    # the modelled traffic (docs/routing.md), counted here site by site for TINY_BENCH's 2 layers, d=32, fp32
+    traffic = json.loads(run_bench('--json', '--residual=delta_attnres,delta_block'))['traffic']
+    passes = {m: {k: v / (32 * 4) for k, v in t.items()} for m, t in traffic['this'].items()}
+    # delta_attnres: 4 sites over 1..4 sources, 4 completed sources at the last; two-phase groups of 2 sites
+    assert passes['delta_attnres']['route'] == sum(19 * n + 3 for n in (1, 2, 3, 4))
+    assert passes['delta_attnres']['route_fast'] == sum(11 * n + 1 for n in (1, 2, 3, 4)) + 4 * 4
+    assert passes['delta_attnres']['two_phase'] == 5 * 4 + (4 * 1 + 3 * 2 + 6 + 11) + (4 * 3 + 3 * 2 + 6 + 11)
+    # delta_block, 2 blocks of 1 layer: sites (1, 0) (1, 1) (2, 0) (2, 1), a group per block
+    assert passes['delta_block']['two_phase'] == 5 * 2 + (4 * 1 + 3 * 2 + 6 + 11) + (4 * 2 + 3 * 2 + 6 + 11)
+    # at the paper's 1b shape, the sublayer modes' two-phase schedule reads and writes far less than route_fast
+    big = traffic['1b']
+    assert big['delta_attnres']['route_fast'] / big['delta_attnres']['two_phase'] > 5
+
+
 def test_bench_rejects_an_unknown_mode():
     out = bench_process('--residual=delta_block,delta')
     assert out.returncode != 0 and 'Traceback' not in out.stderr and out.stderr.startswith(
