@@ -201,6 +201,30 @@ def main_table(groups, varying):
     return markdown(head, rows)
 
 
+def paired_table(groups):
+    """Each mode against the standard group of the same settings, seed by seed: a seed fixes the initial weights
+    and the data order, so run s of a mode and run s of standard saw the same batches. The difference of the final
+    val losses per seed, their mean ± sample std, and how many seeds the mode wins (lower loss)."""
+    rows = []
+    for g in groups:
+        ref = baseline_of(g, groups)
+        if ref is None or ref is g:
+            continue
+        std_by_seed = {r['config']['seed']: r['val'][max(r['val'])] for r in ref['runs']}
+        diffs = {r['config']['seed']: r['val'][max(r['val'])] - std_by_seed[r['config']['seed']]
+                 for r in g['runs'] if r['config']['seed'] in std_by_seed}
+        if not diffs:
+            continue
+        d = [diffs[s] for s in sorted(diffs)]
+        wins = sum(x < 0 for x in d)
+        beyond = len(d) > 1 and abs(statistics.fmean(d)) > statistics.stdev(d) and wins in (0, len(d))
+        verdict = ('better' if wins else 'worse') if beyond else 'inside the spread' if len(d) > 1 else '1 seed'
+        rows.append([g['label'], ', '.join(str(s) for s in sorted(diffs)), ' '.join(f"{x:+.4f}" for x in d),
+                     spread(d, 4) if len(d) > 1 else f"{d[0]:+.4f}", f"{wins}/{len(d)}", verdict])
+    head = ['run', 'seeds', 'Δ val loss per seed', 'mean ± std', 'wins', 'verdict']
+    return markdown(head, rows) if rows else None
+
+
 def conversion_table(groups, baseline, pct):
     """Runs initialised from a pretrained checkpoint: the loss at step 0, at the end, and when it is back
     within pct% of the pretrained model's (that of the standard fine-tune at step 0, or --baseline)."""
@@ -374,6 +398,12 @@ def main(argv=None):
             f"logged (GPU: max allocated; CPU: the process's max RSS). Max weight: the mean over tokens of the largest "
             f"routing weight, averaged over the sublayer sites that have more than one source, and over the deepest "
             f"third of them; measured with {how}; mean ± std over seeds."]
+    paired = paired_table(groups)
+    if paired:
+        text += ['', '### Paired against standard, seed by seed', '', paired, '',
+                 "Δ: the mode's final val loss minus standard's with the same seed (the same initial weights and "
+                 "batches) and settings; negative is better. Verdict: better or worse where every seed agrees and "
+                 "the mean difference exceeds the standard deviation of the differences; otherwise inside the spread."]
     mixed = [g for g in groups if len(set().union(*(r['commits'] for r in g['runs']))) > 1]
     for g in mixed:
         text += ['', f"**Warning:** the runs of {g['label']} come from different commits: "

@@ -192,3 +192,25 @@ def test_the_commit_of_each_group_and_a_warning_when_they_differ(tmp_path, capsy
     assert (f"**Warning:** the runs of delta_block come from different commits: {tmp_path}/d1: 0123456789; "
             f"{tmp_path}/d2: fedcba9876") in printed
     assert printed.count('**Warning:**') == 1
+
+
+def test_paired_differences_against_standard_seed_by_seed(tmp_path, capsys):
+    # seeds 0-2 of standard; attnres wins on every seed by more than the spread, delta_block on two of three;
+    # full_attnres has only seeds 1 and 2 (paired with those), one seed of a 4-layer standard has no pair here
+    std = {0: 2.00, 1: 2.10, 2: 1.90}
+    modes = {'attnres': {0: 1.90, 1: 2.01, 2: 1.79}, 'delta_block': {0: 1.95, 1: 2.12, 2: 1.80},
+             'full_attnres': {1: 2.30, 2: 2.05}}
+    dirs = [fake_run(tmp_path / f'standard{s}', s, {0: 5.0, 100: v}) for s, v in std.items()]
+    dirs += [fake_run(tmp_path / f'{m}{s}', s, {0: 5.0, 100: v}, dict(residual=m)) for m, by in modes.items()
+             for s, v in by.items()]
+    dirs += [fake_run(tmp_path / 'delta4', 0, {0: 5.0, 100: 1.0}, dict(residual='delta_block', n_layer=4))]
+    report.main(dirs + ['--routing=log'])
+    paired = capsys.readouterr().out.split('### Paired against standard, seed by seed')[1].strip()
+    rows = {r['run'].removesuffix(' 12×768'): r for r in parse(paired)}     # labels carry the shape: two shapes
+    assert set(rows) == {'attnres', 'delta_block', 'full_attnres'}    # the 4-layer run has no standard to pair
+    d = [1.90 - 2.00, 2.01 - 2.10, 1.79 - 1.90]
+    assert rows['attnres']['Δ val loss per seed'] == ' '.join(f"{x:+.4f}" for x in d)
+    assert rows['attnres']['mean ± std'] == spread(d, 4) and rows['attnres']['wins'] == '3/3'
+    assert rows['attnres']['verdict'] == 'better'
+    assert (rows['delta_block']['wins'], rows['delta_block']['verdict']) == ('2/3', 'inside the spread')
+    assert (rows['full_attnres']['seeds'], rows['full_attnres']['wins'], rows['full_attnres']['verdict']) == ('1, 2', '0/2', 'worse')

@@ -9,7 +9,8 @@ train_one() {
     local dir=$1; shift
     [ -f "$dir/done" ] && return 0
     rm -rf "$dir" && mkdir -p "$dir"
-    python train.py "$@" --out_dir="$dir" > "$dir/train.txt" 2>&1 && touch "$dir/done"
+    local start=$SECONDS                                # the run's wall time (one thread): OUT_DIR/seconds
+    python train.py "$@" --out_dir="$dir" > "$dir/train.txt" 2>&1 && echo $((SECONDS - start)) > "$dir/seconds" && touch "$dir/done"
 }
 export -f train_one
 run_all() { xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _; }
