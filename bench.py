@@ -66,6 +66,7 @@ weight_decay = 0.1
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'  # autocast dtype; 'float32' = none
 compile = torch.cuda.is_available()     # torch.compile each model
+compile_regional = False    # with compile: each layer's attention and MLP, the routing eager (train.py's compile_regional)
 cold_compile = True         # with compile: inductor's on-disk caches off, so '1st step s' is a cold compile
 peak_flops = 0.0            # device peak FLOP/s for MFU; 0 = look the device up in model.PEAK_FLOPS
 seed = 1337
@@ -192,7 +193,11 @@ def main():
         model.fast_routing = rt == 'fast'
         optimizer = model.configure_optimizers(weight_decay, learning_rate, (0.9, 0.95))
         saved = saved_activation_bytes(model, x, y, ctx)
-        fwd = torch.compile(model) if compile else model
+        fwd = torch.compile(model) if compile and not compile_regional else model
+        if compile and compile_regional:
+            for layer in model.layers:
+                for unit in (layer.self_attn, layer.mlp):
+                    unit.compile(fullgraph=True)
 
         def step(fwd=fwd, optimizer=optimizer):
             with ctx:
@@ -246,7 +251,8 @@ def main():
             del row[k]
 
     setup = dict(device=torch.cuda.get_device_name(device) if device_type == 'cuda' else f'cpu ({torch.get_num_threads()} threads)',
-                 torch=torch.__version__, dtype=dtype, compile=compile, n_layer=n_layer, n_embd=n_embd,
+                 torch=torch.__version__, dtype=dtype, compile=compile, compile_regional=compile_regional,
+                 n_layer=n_layer, n_embd=n_embd,
                  n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim, intermediate_size=intermediate_size,
                  n_blocks=n_blocks, vocab_size=vocab_size, block_size=block_size, batch_size=batch_size,
                  warmup=warmup, repeats=repeats, steps=steps, peak_flops=peak,
@@ -263,7 +269,7 @@ def main():
     if json:
         print(jsonlib.dumps(dict(setup=setup, rows=list(rows.values()), traffic=traffic), indent=1))
         return
-    print(f"# {setup['device']}, torch {setup['torch']}, {dtype}, compile={compile}; L={n_layer} d={n_embd} "
+    print(f"# {setup['device']}, torch {setup['torch']}, {dtype}, compile={compile}{' (regional)' * (compile and compile_regional)}; L={n_layer} d={n_embd} "
           f"T={block_size} batch={batch_size} vocab={vocab_size} n_blocks={n_blocks}; "
           f"median of {repeats} interleaved rounds of {steps} steps")
     print(f"# saved = {setup['saved']}" + (f"; peak = {setup['peak']}" if setup['peak'] else

@@ -326,6 +326,24 @@ def test_compiled_training_evaluation_and_resume_equal_eager(corpus, tmp_path, b
         assert c['stats']['unique_graphs'] == 3 and not c.get('graph_break'), (mode, c)
 
 
+@pytest.mark.parametrize('backend', ['aot_eager', pytest.param('inductor', marks=SLOW)])
+def test_regional_compile_equals_eager(corpus, tmp_path, backend):
+    # compile_regional: each layer's attention and MLP compiled, one graph for all layers (with and without
+    # gradients: 4), so that compile time does not grow with depth; the routing runs eagerly between them
+    args = ['--max_iters=3', '--lr_decay_iters=3', '--eval_interval=3', '--log_interval=1', '--n_layer=3']
+    runs = []
+    for mode in ('delta_attnres', 'attnres'):
+        runs += [(tmp_path / mode / 'eager', f'--residual={mode}', *args, '--compile=False'),
+                 (tmp_path / mode / 'regional', f'--residual={mode}', *args, '--compile=True', '--compile_regional=True')]
+    train_in_one_process(corpus, runs, backend)
+    for mode in ('delta_attnres', 'attnres'):
+        eager, regional = records(tmp_path / mode / 'eager'), records(tmp_path / mode / 'regional')
+        assert losses(regional) == pytest.approx(losses(eager), rel=1e-4) and len(losses(eager)) == 3
+        assert val_losses(regional) == pytest.approx(val_losses(eager), rel=1e-4)
+        c = counters(tmp_path / mode / 'regional')
+        assert c['stats']['unique_graphs'] == 4 and not c.get('graph_break'), (mode, c)
+
+
 def test_settings_are_checked_before_any_work(corpus, tmp_path):
     # (bad data, batches that do not fit the data and bad config keys: test_data.py and below)
     # every bad setting is named with its value and what it must be, one line each, before anything is written

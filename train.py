@@ -97,6 +97,8 @@ device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # 'bfloat16' = autocast, fp32 master weights
 param_dtype = 'float32'     # 'bfloat16': the weights and AdamW state themselves in BF16, as the authors' code trains
 compile = torch.cuda.is_available()
+compile_regional = False    # compile each layer's attention and MLP (one graph each for all layers: compile time flat in
+                            # depth), the routing between them eager, instead of GPT.forward whole (always with fsdp)
 fsdp = False                # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
 activation_checkpointing = False  # recompute attention and MLP activations in the backward pass
 peak_flops = 0.0            # per-GPU peak FLOP/s for MFU; 0 = the device's BF16 dense peak (model.PEAK_FLOPS)
@@ -242,16 +244,18 @@ if activation_checkpointing:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     for layer in model.layers:
         layer.self_attn, layer.mlp = checkpoint_wrapper(layer.self_attn), checkpoint_wrapper(layer.mlp)
+if compile and (compile_regional or fsdp):
+    # Each layer's attention and MLP compiled: one graph for all attention units and one for all MLPs, however deep
+    # the model, with the routing between them run eagerly. FSDP2 needs this: dynamo cannot trace its hooks, so the
+    # model compiled as a whole would break its graph at every sharded unit and recompile the code between units for
+    # each routing site's source count. Without FSDP it trades speed for compile time (docs/training.md).
+    for layer in model.layers:
+        for unit in (layer.self_attn, layer.mlp):
+            unit.compile(fullgraph=True)
 if fsdp:
     from torch.distributed.fsdp import fully_shard
     for layer in model.layers:
         for unit in (layer.self_attn, layer.mlp):
-            if compile:
-                # Dynamo cannot trace FSDP2's hooks: the model compiled as a whole would break its graph at every
-                # sharded unit and run GPT.forward eagerly, recompiling the code between units for each routing
-                # site's source count. Each unit is compiled instead (one graph for all attention units, one for
-                # all MLPs) and the routing between them runs eagerly; see docs/training.md.
-                unit.compile(fullgraph=True)
             fully_shard(unit)
     fully_shard(model)
 raw_model = model  # the module that owns the parameters (FSDP shards them in place)
@@ -270,7 +274,7 @@ start_iter = iter_num
 guard = Guard(out_dir, divergence_factor, device, state)   # divergence and non-finite stops (runs.py)
 run_info = provenance(world_size, device)
 
-if compile and not fsdp:
+if compile and not (compile_regional or fsdp):
     model = torch.compile(model)
 if ddp and not fsdp:
     # broadcast_buffers=False: the only buffers are the RoPE tables, constants that need no re-sending every forward
