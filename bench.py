@@ -22,7 +22,8 @@ hold on a noisy machine. Columns:
   MFU              GPU: model FLOPs (GPT.flops_per_token) per second over the device's peak BF16 dense
                    FLOP/s (model.PEAK_FLOPS, or --peak_flops=...).
   1st step s       the mode's first training step: with compile, its compile time (forward and backward)
-                   from a cold start (cold_compile: inductor's on-disk caches off, a fresh cache folder)
+                   from a cold start (cold_compile: inductor's on-disk caches off, a fresh cache folder); a later
+                   row reuses what earlier rows compiled (compile_regional: every row's units are the same graphs)
 Then the routing's modelled memory traffic (routing_traffic, docs/routing.md) at this shape and at the
 paper's 1b shape: what route(), route_fast and the planned two-phase schedule read and write per token.
 """
