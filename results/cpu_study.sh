@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The CPU study behind results/README.md (config/study_cpu.py: d=64, 2.05M training tokens per run), in parts:
-#   compare  all five modes and delta_block variant=official, 12 layers, seeds 0-2        18 runs
+#   compare  all five modes and delta_block variant=official, 12 layers, seeds 0-2             18 runs
+#   depth    standard / attnres / delta_block at 4 and 24 layers, seeds 0-2 (12: compare)      18 runs
 #   convert  the 12-layer standard model of seed 0, exported and fine-tuned as itself
-#            and converted to delta_block (with and without res_gate) and attnres           4 runs
-#   length   standard / attnres / delta_block, 12 layers, seed 0, at 0.25M, 1M, 4M tokens     9 runs
-#   depth    standard / attnres / delta_block at 4, 24, 36 layers, delta_attnres at 36, seeds 0-2  30 runs
-# bash results/cpu_study.sh [PART ...]   (default: all four, in this order). JOBS runs at a time, one thread
-# each (results/study_runs.sh); a finished run is skipped, so the script can be stopped and started again.
-# Each part's wall time is appended to out/study/time.txt. The tables: results/README.md gives report.py's commands.
+#            and converted to delta_block (with and without res_gate) and attnres                4 runs
+#   length   standard / attnres / delta_block, 12 layers, seed 0, at 0.25M, 1M, 4M tokens          9 runs
+#   depth36  standard / attnres / delta_block / delta_attnres at 36 layers (the paper's 1b depth), seeds 0-2
+#                                                                                               12 runs
+# bash results/cpu_study.sh [PART ...]   (default: all, in this order). JOBS runs at a time, one thread each
+# (results/study_runs.sh); a finished run is skipped, so the script can be stopped and started again. Each
+# part's wall time is appended to out/study/time.txt, each run's to OUT_DIR/seconds. The tables: report.py, with
+# the commands in results/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=out/study
@@ -44,8 +47,8 @@ length() {   # 2000 steps is the compare part; 250 steps keeps the old study's 2
     done | run_all
 }
 
-depth() {
-    for L in 4 24 36; do
+depth_runs() {
+    for L in "$@"; do
         for seed in $SEEDS; do
             for mode in standard attnres delta_block; do
                 echo "$OUT/L$L/${mode}_s$seed config/study_cpu.py --residual=$mode --seed=$seed --n_layer=$L"
@@ -56,9 +59,11 @@ depth() {
         done
     done | run_all
 }
+depth() { depth_runs 4 24; }
+depth36() { depth_runs 36; }
 
 mkdir -p $OUT
-for part in "${@:-compare convert length depth}"; do
+for part in "${@:-compare depth convert length depth36}"; do
     for p in $part; do
         start=$(date +%s)
         $p
