@@ -57,8 +57,10 @@ def load_run(run_dir):
     config = {'variant': 'paper', **config}   # runs from before the setting existed ran the papers' definitions
     # which code made it: the provenance record of each start and restart (none in runs from before it existed)
     commits = {commit_of(r['provenance']) for r in records if 'provenance' in r} or {'unknown'}
+    # its wall time, where the script that ran it wrote one (results/study_runs.sh: OUT_DIR/seconds)
+    seconds = float((run_dir / 'seconds').read_text()) if (run_dir / 'seconds').is_file() else None
     return dict(dir=run_dir, config=config, val=val, train=[r for r in records if 'tok_per_s' in r],
-                records=records, routing=None, commits=commits)
+                records=records, routing=None, commits=commits, seconds=seconds)
 
 
 def commit_of(provenance):
@@ -404,6 +406,10 @@ def main(argv=None):
                  "Δ: the mode's final val loss minus standard's with the same seed (the same initial weights and "
                  "batches) and settings; negative is better. Verdict: better or worse where every seed agrees and "
                  "the mean difference exceeds the standard deviation of the differences; otherwise inside the spread."]
+    timed = [r['seconds'] for r in runs if r['seconds'] is not None]
+    if timed:
+        text += ['', f"Wall time: {len(timed)} of the {len(runs)} runs recorded theirs (OUT_DIR/seconds), "
+                 f"{sum(timed) / 3600:.2f} h in all ({statistics.fmean(timed) / 60:.1f} min per run on average)."]
     mixed = [g for g in groups if len(set().union(*(r['commits'] for r in g['runs']))) > 1]
     for g in mixed:
         text += ['', f"**Warning:** the runs of {g['label']} come from different commits: "

@@ -204,8 +204,12 @@ def test_paired_differences_against_standard_seed_by_seed(tmp_path, capsys):
     dirs += [fake_run(tmp_path / f'{m}{s}', s, {0: 5.0, 100: v}, dict(residual=m)) for m, by in modes.items()
              for s, v in by.items()]
     dirs += [fake_run(tmp_path / 'delta4', 0, {0: 5.0, 100: 1.0}, dict(residual='delta_block', n_layer=4))]
+    for i, d in enumerate(dirs[:3]):                                  # wall times where the study script wrote them
+        (Path(d) / 'seconds').write_text(f'{60 * (i + 1)}\n')
     report.main(dirs + ['--routing=log'])
-    paired = capsys.readouterr().out.split('### Paired against standard, seed by seed')[1].strip()
+    printed = capsys.readouterr().out
+    assert 'Wall time: 3 of the 12 runs recorded theirs (OUT_DIR/seconds), 0.10 h in all (2.0 min per run' in printed
+    paired = printed.split('### Paired against standard, seed by seed')[1].strip()
     rows = {r['run'].removesuffix(' 12×768'): r for r in parse(paired)}     # labels carry the shape: two shapes
     assert set(rows) == {'attnres', 'delta_block', 'full_attnres'}    # the 4-layer run has no standard to pair
     d = [1.90 - 2.00, 2.01 - 2.10, 1.79 - 1.90]
