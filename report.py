@@ -12,6 +12,8 @@ its seeds. The figures (matplotlib, imported only with --out):
   val_loss.png     validation loss against step, one color per group (thin: each seed; thick: their mean)
   max_weight.png   the papers' sharpness figure: the mean over tokens of the largest routing weight at
                    each sublayer, by depth, one curve per routed group (mean over seeds)
+  paired.png       where the groups vary in depth (or else in training length): each mode's final val loss
+                   minus standard's of the same seed, against layers (or training tokens)
   heatmap_*.png    per routed group: the mean weight of each source (E, then sublayer outputs or
                    blocks) at each routing site (mean over seeds)
 """
@@ -203,18 +205,23 @@ def main_table(groups, varying):
     return markdown(head, rows)
 
 
+def paired_diffs(group, groups):
+    """{seed: final val loss of this group's run - that of the standard run with the same seed and settings}: a seed
+    fixes the initial weights and the data order, so the two runs saw the same batches. Empty without a baseline."""
+    ref = baseline_of(group, groups)
+    if ref is None or ref is group:
+        return {}
+    std_by_seed = {r['config']['seed']: r['val'][max(r['val'])] for r in ref['runs']}
+    return {r['config']['seed']: r['val'][max(r['val'])] - std_by_seed[r['config']['seed']]
+            for r in group['runs'] if r['config']['seed'] in std_by_seed}
+
+
 def paired_table(groups):
-    """Each mode against the standard group of the same settings, seed by seed: a seed fixes the initial weights
-    and the data order, so run s of a mode and run s of standard saw the same batches. The difference of the final
-    val losses per seed, their mean ± sample std, and how many seeds the mode wins (lower loss)."""
+    """Each mode against the standard group of the same settings, seed by seed: the difference of the final val
+    losses per seed, their mean ± sample std, and how many seeds the mode wins (lower loss)."""
     rows = []
     for g in groups:
-        ref = baseline_of(g, groups)
-        if ref is None or ref is g:
-            continue
-        std_by_seed = {r['config']['seed']: r['val'][max(r['val'])] for r in ref['runs']}
-        diffs = {r['config']['seed']: r['val'][max(r['val'])] - std_by_seed[r['config']['seed']]
-                 for r in g['runs'] if r['config']['seed'] in std_by_seed}
+        diffs = paired_diffs(g, groups)
         if not diffs:
             continue
         d = [diffs[s] for s in sorted(diffs)]
@@ -320,6 +327,43 @@ def plot_max_weight(groups, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_paired(groups, path):
+    """The paired difference against standard (mean over seeds, each seed a dot) as a function of depth or else of
+    training tokens, whichever the groups vary: one line per mode (and depth). False if neither varies."""
+    tokens = lambda c: c['max_iters'] * c['batch_size'] * c['block_size'] * c['gradient_accumulation_steps']
+    axes = (('layers', lambda c: c['n_layer'], lambda c: ()),
+            ('training tokens', tokens, lambda c: (f"{c['n_layer']} layers",)))
+    for label, x_of, more in axes:
+        lines = {}
+        for g in groups:
+            if diffs := paired_diffs(g, groups):
+                cfg = g['config']
+                name = ', '.join((cfg['residual'] + ('' if cfg['variant'] == 'paper' else f" ({cfg['variant']})"),
+                                  *more(cfg)))
+                lines.setdefault(name, []).append((x_of(cfg), list(diffs.values())))
+        if not any(len({x for x, _ in pts}) > 1 for pts in lines.values()):
+            continue
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, (name, pts) in enumerate(sorted(lines.items())):
+            pts.sort()
+            ax.plot([x for x, _ in pts], [np.mean(d) for _, d in pts], color=f'C{i % 10}', marker='o', label=name)
+            for x, d in pts:
+                ax.scatter([x] * len(d), d, color=f'C{i % 10}', s=8, alpha=0.5)
+        ax.axhline(0, color='k', lw=0.8)
+        ax.set_xscale('log' if label == 'training tokens' else 'linear')
+        ax.set_xlabel(label)
+        ax.set_ylabel('final val loss minus standard (same seed)')
+        ax.set_title(f'Each mode against standard, by {label} (below 0: better)', fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return True
+    return False
 
 
 def plot_heatmap(title, stats, path):
@@ -436,6 +480,8 @@ def main(argv=None):
         (out / 'table.md').write_text(header + '\n\n' + text + '\n')
         written = ['table.md', 'val_loss.png']
         plot_val_loss(groups, out / 'val_loss.png', pretrained)
+        if plot_paired(groups, out / 'paired.png'):
+            written.append('paired.png')
         if any(g['summary']['stats'] for g in groups):
             written.append('max_weight.png')
             plot_max_weight(groups, out / written[-1])

@@ -204,6 +204,7 @@ def test_paired_differences_against_standard_seed_by_seed(tmp_path, capsys):
     dirs += [fake_run(tmp_path / f'{m}{s}', s, {0: 5.0, 100: v}, dict(residual=m)) for m, by in modes.items()
              for s, v in by.items()]
     dirs += [fake_run(tmp_path / 'delta4', 0, {0: 5.0, 100: 1.0}, dict(residual='delta_block', n_layer=4))]
+    plots = importlib.util.find_spec('matplotlib') is not None
     for i, d in enumerate(dirs[:3]):                                  # wall times where the study script wrote them
         (Path(d) / 'seconds').write_text(f'{60 * (i + 1)}\n')
     report.main(dirs + ['--routing=log'])
@@ -218,3 +219,10 @@ def test_paired_differences_against_standard_seed_by_seed(tmp_path, capsys):
     assert rows['attnres']['verdict'] == 'better'
     assert (rows['delta_block']['wins'], rows['delta_block']['verdict']) == ('2/3', 'inside the spread')
     assert (rows['full_attnres']['seeds'], rows['full_attnres']['wins'], rows['full_attnres']['verdict']) == ('1, 2', '0/2', 'worse')
+    # with a 4-layer standard run the 4-layer delta_block has its pair too, and the groups vary in depth: a figure
+    dirs += [fake_run(tmp_path / 'standard4', 0, {0: 5.0, 100: 1.5}, dict(n_layer=4))]
+    report.main(dirs + ['--routing=log'] + ['--out', str(tmp_path / 'fig')] * plots)
+    rows = {r['run']: r for r in parse(capsys.readouterr().out.split('seed by seed')[1].strip())}
+    assert rows['delta_block 4×768']['Δ val loss per seed'] == '-0.5000' and rows['delta_block 4×768']['verdict'] == '1 seed'
+    if plots:
+        assert is_png(tmp_path / 'fig' / 'paired.png')
