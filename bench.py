@@ -25,7 +25,8 @@ hold on a noisy machine. Columns:
                    from a cold start (cold_compile: inductor's on-disk caches off, a fresh cache folder); a later
                    row reuses what earlier rows compiled (compile_regional: every row's units are the same graphs)
 Then the routing's modelled memory traffic (routing_traffic, docs/routing.md) at this shape and at the
-paper's 1b shape: what route(), route_fast and the planned two-phase schedule read and write per token.
+paper's 1b shape: what route(), route_fast (before issue 15), keys + mix (now) and the planned two-phase schedule
+read and write per token.
 """
 
 import atexit
@@ -83,18 +84,21 @@ with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sy
 # The routing's memory traffic, modelled per token of one training step (forward + backward), in passes over a
 # B x T x d tensor (one read or one write of a source-sized tensor); docs/routing.md derives each term op by op.
 #   route()       per site with N sources: 19N + 3 (stack, RMSNorm of the stack, logits, mix; their backward)
-#   route_fast    per site: 11N + 1 (logits, mix; backward), per source: 4 (its 1/rms, once)
+#   route_fast    the fast path until issue 15: per site 11N + 1 (logits, mix; backward), per source 4 (its 1/rms)
+#   keys + mix    the fast path now (model.Routing): per site 8N + 1 (mix; backward), per source 10 (its logits at
+#                 every later site, one [B*T, d] x [d, sites] product, its 1/rms, and their backward)
 #   two-phase     per group of G sites over the n sources completed before it: 4n + 3G (phase 1, one pass for all
 #                 G sites); per site merging e later sources: 6 + 5e (phase 2); per source: 5 (its logits against
 #                 every later site, one [B*T, d] x [d, sites] product, and their backward)
 TRAFFIC = {
     'route':      dict(site=lambda N: 19 * N + 3, source=0),
     'route_fast': dict(site=lambda N: 11 * N + 1, source=4),
+    'keys_mix':   dict(site=lambda N: 8 * N + 1, source=10),
 }
 
 
 def routing_traffic(sites, d, bytes_per_element, group):
-    """{schedule: bytes per token} of the routing for route(), route_fast and the two-phase schedule, given
+    """{schedule: bytes per token} of the routing for route(), route_fast, keys + mix and two-phase, given
     GPT.routing_sites() (each site's completed sources n, and o = 1 if the open block is a source too). Two-phase:
     a new group starts where `group` sources have been completed since the current group started."""
     n_sources = sites[-1][0]
@@ -287,11 +291,12 @@ def main():
         print(f"{name:<22} {row['params'] / 1e6:7.2f}M {row['tok_per_s']:9.0f} {row['tok_per_s_ratio']:6.2f} {lo:4.2f}-{hi:4.2f} {peak_s} "
               f"{row['saved_bytes'] / 2**20:9.1f} {row['saved_ratio']:6.2f} {mfu_s} {row['first_step_s']:10.1f}")
     print(f"\n# routing traffic per token of a training step, modelled (docs/routing.md): MB read + written")
-    print(f"{'mode':<22} {'shape':<28} {'route()':>9} {'route_fast':>10} {'two-phase':>9} {'fast/two-phase':>14}")
+    print(f"{'mode':<22} {'shape':<20} {'route()':>9} {'route_fast':>10} {'keys+mix':>9} {'two-phase':>9} "
+          f"{'route_fast/two-phase':>20}")
     for shape, (L, d, nb, b) in shapes.items():
         for m, t in traffic[shape].items():
-            print(f"{m:<22} {f'L={L} d={d} {8 * b}-bit':<28} {t['route'] / 1e6:9.2f} {t['route_fast'] / 1e6:10.2f} "
-                  f"{t['two_phase'] / 1e6:9.2f} {t['route_fast'] / t['two_phase']:14.1f}")
+            print(f"{m:<22} {f'L={L} d={d} {8 * b}-bit':<20} {t['route'] / 1e6:9.2f} {t['route_fast'] / 1e6:10.2f} "
+                  f"{t['keys_mix'] / 1e6:9.2f} {t['two_phase'] / 1e6:9.2f} {t['route_fast'] / t['two_phase']:20.1f}")
 
 
 if __name__ == '__main__':

@@ -3,9 +3,9 @@ A Qwen3-style decoder with five residual modes: the standard residual stream, Ki
 Residuals (Full and Block AttnRes, arXiv 2603.15031) and Delta Attention Residuals (Delta AttnRes and
 Delta Block, arXiv 2605.18855). One file, read top to bottom:
 
-1. the routing rule (`route`), the papers' core, in a few lines, and `route_fast`, the same numbers
-   with activation memory linear in depth, and `Routing`, the state a forward pass routes with
-   (its sources, the open block; what GPT.forward uses);
+1. the routing rule (`route`), the papers' core, in a few lines; `keys` and `mix`, the same numbers
+   with each source's logits computed once and activation memory linear in depth; and `Routing`, the
+   state a forward pass routes with (its sources, the open block; what GPT.forward uses);
 2. the Qwen3 building blocks (RoPE, grouped-query attention with q/k norms, SwiGLU MLP);
 3. `GPT.forward`, where the five modes are two switches on one loop:
       which sources are routed   (every sublayer's output, or per-block sums), and
@@ -16,6 +16,7 @@ It imports nothing of this repo (exported directories carry a copy of it); Huggi
 out: checkpoints.py.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -96,87 +97,63 @@ def route(sources, proj, norm):
     return torch.einsum('nbt,nbtd->btd', alpha.to(V.dtype), V), alpha
 
 
-# The same routing without its memory cost. route() stacks the N sources at every site, and autograd
-# keeps that stack (and RMSNorm's input and output, more copies of it) for the backward pass: with a
-# site per sublayer that is O(L^2) activation memory, and most of the papers' measured cost of Delta
-# AttnRes. Backward needs each source once, not a copy per site, so route_fast works on the sources:
+# The same routing without its costs. route() stacks the N sources at every site, and autograd keeps that
+# stack (and RMSNorm's input and output, more copies of it) for the backward pass: with a site per sublayer
+# that is O(L^2) activation memory, and most of the papers' measured cost of Delta AttnRes. The logit splits
+# into a part per site and a part per source:
 #
 #     w . RMSNorm_g(s_i) = (w * g) . s_i * r_i,     r_i = 1/rms(s_i) = rsqrt(mean(s_i^2) + eps)
 #
-# u = w * g is per site; r_i is per source, computed once (rms_inv) and reused by every later site. The
-# autograd.Function below saves only u, the r_i, the sources themselves (no copies) and a per-token
-# log-sum-exp, and recomputes the logits in backward. Extra saved memory: each source once (sublayer
-# modes: 2L+1; block modes: the completed blocks plus the open block's running sum at each sublayer).
-# Tested equal to route() in values and gradients (test_bench.py).
+# u = w * g is a parameter of the site, known before the forward pass. So when a source is completed, its
+# logits at every later site are one product (`keys`: z_i = (s_i @ U^T) * r_i, U = the u of those sites), and
+# a site only mixes (`mix`): out = sum_i softmax_i(z_i[site]) s_i, with plain autograd ops that keep the sources
+# themselves for backward (no stack, no copies): each source is kept once, whatever the number of sites that
+# read it. The fast path is tested equal to route() in values and gradients (test_bench.py).
 
 def rms_inv(s, eps):
     """1/rms(s) over the last dim, in fp32. vector_norm saves s itself (not an fp32 copy) for backward."""
     return torch.rsqrt(torch.linalg.vector_norm(s, dim=-1, dtype=torch.float32).square() / s.shape[-1] + eps)
 
 
-def route_fast(sources, rinvs, proj, norm):
-    """route(sources, proj, norm), given rinvs[i] = rms_inv(sources[i], norm.eps)."""
-    u = (proj.weight[0] * norm.weight).float()
-    dtype = sources[0].dtype        # the output dtype route() has: its einsum's, under autocast too
-    for s in sources[1:]:
-        dtype = torch.promote_types(dtype, s.dtype)
-    if torch.is_autocast_enabled(sources[0].device.type):
-        dtype = torch.get_autocast_dtype(sources[0].device.type)
-    tensors = (u, *rinvs, *sources)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        out, alpha = _Route.apply(*tensors)
-    else:
-        # Nothing to differentiate (evaluation, sampling): the same math without the autograd.Function.
-        # Besides saving nothing for a backward that never comes, this keeps torch.compile off a dynamo
-        # path that breaks here: without gradients dynamo calls forward() itself and guesses from the
-        # argument count whether it takes ctx, which for forward(ctx, u, *rinvs_and_sources) at a
-        # one-source site (3 arguments) guesses wrong and shifts every argument by one.
-        out, alpha, _ = _route_forward(u, rinvs, sources)
-    return out.to(dtype), alpha
+def keys(s, U, eps):
+    """(B, T, sites) fp32: source s's logit at each site whose u = w * g is a row of U."""
+    r = rms_inv(s, eps)
+    if torch.is_grad_enabled() and (s.requires_grad or U.requires_grad):
+        return _Keys.apply(s, U, r)
+    # nothing to differentiate (evaluation, sampling): the same math, saving nothing
+    with torch.autocast(s.device.type, enabled=False):
+        return (s.float() @ U.float().T) * r.unsqueeze(-1)
 
 
-def _route_forward(u, rinvs, sources):
-    """-> (out, alpha, lse): logits_i = (s_i . u) r_i, alpha = softmax_i(logits), out = sum_i alpha_i s_i, in fp32."""
-    with torch.autocast(sources[0].device.type, enabled=False):
-        logits = torch.stack([(s.float() @ u) * r for s, r in zip(sources, rinvs)])   # (N, B, T)
-        lse = logits.logsumexp(0)
-        alpha = (logits - lse).exp()
-        out = alpha[0].unsqueeze(-1) * sources[0]
-        for a, s in zip(alpha[1:], sources[1:]):
-            out = out.addcmul_(a.unsqueeze(-1), s)
-    return out, alpha, lse
-
-
-class _Route(torch.autograd.Function):
-    # logits_i = (s_i . u) r_i;  alpha = softmax_i(logits);  out = sum_i alpha_i s_i   (fp32 math)
+class _Keys(torch.autograd.Function):
+    # z = (s @ U^T) * r in fp32, under autocast too (the logits decide the weights), saving s itself for backward:
+    # plain ops would save an fp32 copy of a BF16 source, and the sources are most of what routing keeps.
 
     @staticmethod
-    def forward(ctx, u, *rinvs_and_sources):
-        n = len(rinvs_and_sources) // 2
-        rinvs, sources = rinvs_and_sources[:n], rinvs_and_sources[n:]
-        out, alpha, lse = _route_forward(u, rinvs, sources)
-        ctx.save_for_backward(u, lse, *rinvs, *sources)
-        ctx.mark_non_differentiable(alpha)
-        return out, alpha
+    def forward(ctx, s, U, r):
+        ctx.save_for_backward(s, U, r)
+        with torch.autocast(s.device.type, enabled=False):
+            return (s.float() @ U.float().T) * r.unsqueeze(-1)              # (B, T, sites)
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_alpha):
-        u, lse, *rinvs_and_sources = ctx.saved_tensors
-        n = len(rinvs_and_sources) // 2
-        rinvs, sources = rinvs_and_sources[:n], rinvs_and_sources[n:]
-        with torch.autocast(grad_out.device.type, enabled=False):
-            g = grad_out.float()
-            dots = [s.float() @ u for s in sources]                                 # s_i . u
-            alpha = [(d * r - lse).exp() for d, r in zip(dots, rinvs)]
-            g_alpha = [(s * g).sum(-1) for s in sources]                            # d loss / d alpha_i
-            mean_g = sum(a * ga for a, ga in zip(alpha, g_alpha))
-            g_logit = [a * (ga - mean_g) for a, ga in zip(alpha, g_alpha)]          # softmax backward
-            coef = [gl * r for gl, r in zip(g_logit, rinvs)]                        # d loss / d (s_i . u)
-            g_sources = [torch.addcmul(a.unsqueeze(-1) * g, c.unsqueeze(-1), u).to(s.dtype)
-                         for a, c, s in zip(alpha, coef, sources)]
-            g_rinvs = [gl * d for gl, d in zip(g_logit, dots)]
-            g_u = sum(c.reshape(-1) @ s.reshape(-1, s.shape[-1]).float() for c, s in zip(coef, sources))
-        return (g_u, *g_rinvs, *g_sources)
+    def backward(ctx, g):
+        s, U, r = ctx.saved_tensors
+        with torch.autocast(g.device.type, enabled=False):
+            dots = s.float() @ U.float().T                                  # recomputed: one read of s
+            g_dots = g * r.unsqueeze(-1)
+            g_s = (g_dots @ U.float()).to(s.dtype)
+            g_U = (g_dots.reshape(-1, g.shape[-1]).T @ s.reshape(-1, s.shape[-1]).float()).to(U.dtype)
+            g_r = (g * dots).sum(-1)
+        return g_s, g_U, g_r
+
+
+def mix(logits, sources):
+    """(sum_i alpha_i s_i, alpha), alpha = softmax over the N sources of logits (N, B, T), in fp32."""
+    alpha = logits.softmax(dim=0)
+    out = alpha[0].unsqueeze(-1) * sources[0]
+    for a, s in zip(alpha[1:], sources[1:]):
+        out = torch.addcmul(out, a.unsqueeze(-1), s)
+    return out, alpha
 
 
 def routing_stats(alpha):
@@ -192,16 +169,21 @@ class Routing:
     """The routing state of one forward pass, passed explicitly through GPT.forward's loop:
         sources    the completed sources, in order ([E, v_0, v_1, ...] or [E, b_1, b_2, ...])
         block      the block modes' open block: the running sum of its sublayer outputs, or None
-        rinvs      1/rms of each completed source (route_fast), computed once for every later site
+        keys       fast path: [(first site, keys(source))] of each completed source, its logits at every later site
     and four verbs: complete(s) adds a source, add_to_block(v) / close_block() keep the open block,
-    route(name, proj, norm) mixes the completed sources and the open block at one site."""
+    route(name, proj, norm) mixes the completed sources and the open block at the next site.
+    sites: [(proj, norm)] of every routing site in forward order (their u = w * g, for the keys); fast=False
+    routes with the plain route() instead."""
 
-    def __init__(self, eps, fast=True, stats=None):
-        self.sources, self.block, self.rinvs = [], None, []
+    def __init__(self, sites, eps, fast=True, stats=None):
+        self.sources, self.block, self.keys, self.next_site = [], None, [], 0
+        self.U = torch.stack([p.weight[0] * n.weight for p, n in sites]) if fast and sites else None
         self.eps, self.fast, self.stats = eps, fast, stats     # stats: a dict to fill with routing_stats, or None
 
     def complete(self, s):
         self.sources.append(s)
+        if self.U is not None and self.next_site < len(self.U):     # (a source no later site reads needs no keys)
+            self.keys.append((self.next_site, keys(s, self.U[self.next_site:], self.eps)))
 
     def add_to_block(self, v):
         self.block = v if self.block is None else self.block + v
@@ -212,11 +194,15 @@ class Routing:
             self.block = None
 
     def route(self, name, proj, norm):
+        k, self.next_site = self.next_site, self.next_site + 1
         srcs = self.sources + ([] if self.block is None else [self.block])
         if self.fast:
-            self.rinvs += [rms_inv(s, self.eps) for s in self.sources[len(self.rinvs):]]   # newly completed ones
-            rinvs = self.rinvs + ([] if self.block is None else [rms_inv(self.block, self.eps)])
-            out, alpha = route_fast(srcs, rinvs, proj, norm)
+            logits = [z[..., k - first] for first, z in self.keys]
+            if self.block is not None:      # the open block changes at every site: its logit here only
+                logits.append(keys(self.block, self.U[k:k + 1], self.eps)[..., 0])
+            out, alpha = mix(torch.stack(logits), srcs)
+            out = out.to(torch.get_autocast_dtype(out.device.type) if torch.is_autocast_enabled(out.device.type)
+                         else functools.reduce(torch.promote_types, [s.dtype for s in srcs]))   # route()'s dtype
         else:
             out, alpha = route(srcs, proj, norm)
         if self.stats is not None:
@@ -403,7 +389,8 @@ class GPT(nn.Module):
         replace, site_stats = self.mixing == 'replace', {}
         E = self.embed_tokens(idx)
         h = E                   # the ordinary residual stream (standard and Delta modes)
-        routing = Routing(self.config.rms_norm_eps, self.fast_routing, site_stats if stats else None)
+        routing = Routing(self.routing_parameters(), self.config.rms_norm_eps, self.fast_routing,
+                          site_stats if stats else None)
         if not official:
             routing.complete(E)
         for i, layer in enumerate(self.layers):
@@ -458,6 +445,12 @@ class GPT(nn.Module):
         groups = [dict(g, lr=learning_rate * g['lr_scale']) for g in groups if g['params']]
         # fused (one kernel per step, CPU and GPU alike): it can skip a step on the device (train.py's found_inf)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
+
+    def routing_parameters(self):
+        """[(pseudo-query, key norm)] of every routing site, in forward order."""
+        sites = [(proj, norm) for layer in self.layers for _, _, proj, norm, _ in layer.sublayers(None, None)
+                 if proj is not None]
+        return sites + ([(self.final_res_proj, self.final_res_norm)] if self.mixing == 'replace' else [])
 
     def routing_sites(self):
         """(completed sources, 1 if the open block is a source too) at each routing site, in forward order."""
