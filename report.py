@@ -39,6 +39,9 @@ from runs import read_checkpoint, read_state
 # Settings that name or label a run without changing what it computes: runs differing only in these are seeds
 # of one experiment. `seed` sets the initial weights and the data order (data.ShardLoader).
 PER_RUN = ('seed', 'out_dir', 'wandb_run_name')
+# Settings of how a run executes, not of what it computes (and which runs of older code may not have recorded):
+# left out when runs are grouped and compared.
+EXECUTION = ('compile', 'compile_regional', 'log_interval', 'ddp_timeout_s', 'wandb_log', 'wandb_project')
 # Settings that belong to a residual mode: a mode's baseline is the standard run that agrees on everything else.
 MODE_KEYS = ('residual', 'variant', 'n_blocks', 'res_gate', 'routing_learning_rate', 'freeze_base')
 
@@ -75,7 +78,7 @@ def group_runs(runs):
     """[{'config': the settings without PER_RUN, 'runs': [...]}], in the order groups first appear."""
     groups = {}
     for run in runs:
-        key = tuple(sorted((k, v) for k, v in run['config'].items() if k not in PER_RUN))
+        key = tuple(sorted((k, v) for k, v in run['config'].items() if k not in PER_RUN + EXECUTION))
         groups.setdefault(key, dict(config=dict(key), runs=[]))['runs'].append(run)
     return list(groups.values())
 
