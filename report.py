@@ -254,7 +254,7 @@ def conversion_table(groups, baseline, pct):
         back = '—' if ref is None else next((str(t) for t in steps if curve[t] <= ref * (1 + pct / 100)),
                                              f"not by {steps[-1]}")
         rows.append([g['label'], g['config']['residual'], str(g['config']['res_gate']), str(len(g['runs'])),
-                     '—' if 0 not in curve else f"{curve[0]:.4f}", f"{curve[steps[-1]]:.4f} (step {steps[-1]})", back])
+                     '—' if 0 not in curve else f"{curve[0]:.6f}", f"{curve[steps[-1]]:.6f} (step {steps[-1]})", back])
     head = ['run', 'mode', 'res_gate', 'seeds', 'val loss at step 0', 'final val loss',
             f'back within {pct:g}% of the pretrained loss at step']
     return markdown(head, rows), pretrained

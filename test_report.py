@@ -155,13 +155,13 @@ def test_grouping_and_conversion_table(tmp_path, capsys):
     table = {r['run']: r for r in parse(conversion.strip())}
     assert len(table) == 4
     base = '4×768 init_from=qwen3 learning_rate=0.0006'   # labels: the shape too, as shapes differ
-    assert table[f'delta_block {base} res_gate=True']['val loss at step 0'] == '3.0000'
+    assert table[f'delta_block {base} res_gate=True']['val loss at step 0'] == '3.000000'
     # recovery: the first step within 1% of the pretrained loss (3.0: the standard fine-tune at step 0)
     col = 'back within 1% of the pretrained loss at step'
     assert table[f'standard {base}'][col] == '0'
     assert table[f'delta_block {base} res_gate=False'][col] == '200'      # 3.02 <= 3.03
     assert table[f'attnres {base}'][col] == 'not by 200'
-    assert table[f'attnres {base}']['final val loss'] == '3.2000 (step 200)'
+    assert table[f'attnres {base}']['final val loss'] == '3.200000 (step 200)'
     assert f'{pretrained}: 3.0000 (the standard fine-tune at step 0)' in conversion
     report.main(dirs + ['--routing=log', '--baseline=3.5', '--recover_pct=0'] + ['--out', str(tmp_path / 'fig')] * plots)
     table = {r['run']: r for r in parse(capsys.readouterr().out.split('### Conversion')[1].strip())}
