@@ -213,7 +213,7 @@ else:
     # model_config describes the model and --init_from=resume rebuilds it from the config alone.
     # The RoPE tables only need the training block_size, not the checkpoint's 40,960 positions.
     model = load_hf(init_from, identity_init=res_gate, residual=residual, n_blocks=n_blocks, variant=variant,
-                           block_size=block_size)
+                    block_size=block_size)
     if diff := config_diff(asdict(model.config)):
         raise ValueError(f"init_from={init_from} holds another model than this config describes; set these "
                          f"(checkpoint, config): {diff}")
