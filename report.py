@@ -232,7 +232,8 @@ def paired_table(groups):
         beyond = len(d) > 1 and abs(statistics.fmean(d)) > statistics.stdev(d) and wins in (0, len(d))
         verdict = ('better' if wins else 'worse') if beyond else 'inside the spread' if len(d) > 1 else '1 seed'
         rows.append([g['label'], ', '.join(str(s) for s in sorted(diffs)), ' '.join(f"{x:+.4f}" for x in d),
-                     spread(d, 4) if len(d) > 1 else f"{d[0]:+.4f}", f"{wins}/{len(d)}", verdict])
+                     f"{statistics.fmean(d):+.4f} ± {statistics.stdev(d):.4f}" if len(d) > 1 else f"{d[0]:+.4f}",
+                     f"{wins}/{len(d)}", verdict])
     head = ['run', 'seeds', 'Δ val loss per seed', 'mean ± std', 'wins', 'verdict']
     return markdown(head, rows) if rows else None
 
