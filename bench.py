@@ -200,9 +200,7 @@ def main():
         saved = saved_activation_bytes(model, x, y, ctx)
         fwd = torch.compile(model) if compile and not compile_regional else model
         if compile and compile_regional:
-            for layer in model.layers:
-                for unit in (layer.self_attn, layer.mlp):
-                    unit.compile(fullgraph=True)
+            model.compile_regional()
 
         def step(fwd=fwd, optimizer=optimizer):
             with ctx:

@@ -446,6 +446,13 @@ class GPT(nn.Module):
         # fused (one kernel per step, CPU and GPU alike): it can skip a step on the device (train.py's found_inf)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
+    def compile_regional(self):
+        """torch.compile each layer's attention and MLP, not the whole forward: one graph for all attention units and
+        one for all MLPs, however deep the model; the routing between them runs eagerly (train.py, bench.py)."""
+        for layer in self.layers:
+            for unit in (layer.self_attn, layer.mlp):
+                unit.compile(fullgraph=True)
+
     def routing_parameters(self):
         """[(pseudo-query, key norm)] of every routing site, in forward order."""
         sites = [(proj, norm) for layer in self.layers for _, _, proj, norm, _ in layer.sublayers(None, None)

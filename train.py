@@ -249,9 +249,7 @@ if compile and (compile_regional or fsdp):
     # the model, with the routing between them run eagerly. FSDP2 needs this: dynamo cannot trace its hooks, so the
     # model compiled as a whole would break its graph at every sharded unit and recompile the code between units for
     # each routing site's source count. Without FSDP it trades speed for compile time (docs/training.md).
-    for layer in model.layers:
-        for unit in (layer.self_attn, layer.mlp):
-            unit.compile(fullgraph=True)
+    model.compile_regional()
 if fsdp:
     from torch.distributed.fsdp import fully_shard
     for layer in model.layers:
