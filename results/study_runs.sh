@@ -1,6 +1,7 @@
 # Sourced by the CPU study's scripts (cpu_study.sh, budget_search.sh): the demo corpus, and run_all, which reads
 # lines "OUT_DIR SETTINGS..." and runs each as one train.py run (JOBS at a time, one thread each), its console
-# output in OUT_DIR/train.txt. A finished run (OUT_DIR/done) is skipped, so a script can be stopped and restarted.
+# output in OUT_DIR/train.txt. A finished run (OUT_DIR/done) is skipped and a stopped one continues from its last
+# checkpoint (--init_from=auto), so a script can be stopped and restarted.
 JOBS=${JOBS:-2}
 export OMP_NUM_THREADS=1
 [ -f data/demo/meta.json ] || python prepare_fineweb.py --demo
@@ -8,9 +9,12 @@ export OMP_NUM_THREADS=1
 train_one() {
     local dir=$1; shift
     [ -f "$dir/done" ] && return 0
-    rm -rf "$dir" && mkdir -p "$dir"
-    local start=$SECONDS                                # the run's wall time (one thread): OUT_DIR/seconds
-    python train.py "$@" --out_dir="$dir" > "$dir/train.txt" 2>&1 && echo $((SECONDS - start)) > "$dir/seconds" && touch "$dir/done"
+    mkdir -p "$dir"
+    # the run's wall time (one thread), summed over the invocations that ended: OUT_DIR/seconds
+    local start=$SECONDS status=0
+    python train.py "$@" --out_dir="$dir" --init_from=auto >> "$dir/train.txt" 2>&1 || status=$?
+    echo $(( $(cat "$dir/seconds" 2>/dev/null || echo 0) + SECONDS - start )) > "$dir/seconds"
+    [ $status = 0 ] && touch "$dir/done"
 }
 export -f train_one
 run_all() { xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _; }
