@@ -22,8 +22,10 @@ hold on a noisy machine. Columns:
   MFU              GPU: model FLOPs (GPT.flops_per_token) per second over the device's peak BF16 dense
                    FLOP/s (model.PEAK_FLOPS, or --peak_flops=...).
   1st step s       the mode's first training step: with compile, its compile time (forward and backward)
-                   from a cold start (cold_compile: inductor's on-disk caches off, a fresh cache folder); a later
-                   row reuses what earlier rows compiled (compile_regional: every row's units are the same graphs)
+                   from a cold start (cold_compile: inductor's on-disk caches off, a fresh cache folder) for the
+                   first row only: a later row reuses the kernels earlier rows compiled in this process (the layers
+                   are the same code in every mode; with compile_regional, the same graphs). A mode's cold compile:
+                   list it first, e.g. --residual=delta_attnres,standard (standard is added first only if missing)
 Then the routing's modelled memory traffic (routing_traffic, docs/routing.md) at this shape and at the
 paper's 1b shape: what route(), route_fast (before issue 15), keys + mix (now) and the planned two-phase schedule
 read and write per token.
@@ -47,7 +49,8 @@ from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
 
 # -----------------------------------------------------------------------------
 # settings; defaults are the issue's CPU target shape (d=256, L=12, T=256, batch 4)
-residual = 'all'            # 'all', one of model.RESIDUAL_MODES, or several joined by commas ('standard' is always added)
+residual = 'all'            # 'all', one of model.RESIDUAL_MODES, or several joined by commas (in that order; 'standard'
+                            # is added first where missing)
 routing = 'fast'            # 'fast' (model default), 'naive' (the plain route(): stack per site) or 'both'
 n_layer = 12
 n_head = 4

@@ -78,7 +78,9 @@ def group_runs(runs):
     """[{'config': the settings without PER_RUN, 'runs': [...]}], in the order groups first appear."""
     groups = {}
     for run in runs:
-        key = tuple(sorted((k, v) for k, v in run['config'].items() if k not in PER_RUN + EXECUTION))
+        # 'resume' and 'auto' continue a run from scratch that stopped: the same experiment
+        cfg = {**run['config'], 'init_from': run['config']['init_from'] if is_conversion(run['config']) else 'scratch'}
+        key = tuple(sorted((k, v) for k, v in cfg.items() if k not in PER_RUN + EXECUTION))
         groups.setdefault(key, dict(config=dict(key), runs=[]))['runs'].append(run)
     return list(groups.values())
 

@@ -133,7 +133,8 @@ def test_grouping_and_conversion_table(tmp_path, capsys):
             fake_run(tmp_path / 'attnres', 1, {0: 4.0, 100: 3.5, 200: 3.2}, {**conv, 'residual': 'attnres'}, route),
             # from scratch, two learning rates: two groups, and the lr is shown
             fake_run(tmp_path / 'a1', 1, {0: 5.0, 10: 4.0}, dict(learning_rate=1e-3)),
-            fake_run(tmp_path / 'a2', 2, {0: 5.0, 10: 4.2}, dict(learning_rate=1e-3)),
+            # a run continued after a stop (init_from='auto') is one more seed of the same experiment
+            fake_run(tmp_path / 'a2', 2, {0: 5.0, 10: 4.2}, dict(learning_rate=1e-3, init_from='auto')),
             fake_run(tmp_path / 'b1', 1, {0: 5.0, 10: 3.9}, dict(learning_rate=2e-3))]
     report.main(dirs + ['--routing=log'])
     printed = capsys.readouterr().out
