@@ -27,7 +27,8 @@ hold on a noisy machine. Columns:
                    are the same code in every mode; with compile_regional, the same graphs). A mode's cold compile:
                    list it first, e.g. --residual=delta_attnres,standard (standard is added first only if missing)
 Then the routing's modelled memory traffic (routing_traffic, docs/routing.md) at this shape and at the
-paper's 1b shape: what route(), route_fast (before issue 15), keys + mix (now) and the planned two-phase schedule
+paper's 1b shape: what route(), route_fast (before issue 15), keys + mix and the two-phase schedule that the
+model runs for the sublayer modes
 read and write per token.
 """
 
@@ -90,9 +91,11 @@ with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sy
 #   route_fast    the fast path until issue 15: per site 11N + 1 (logits, mix; backward), per source 4 (its 1/rms)
 #   keys + mix    the fast path now (model.Routing): per site 8N + 1 (mix; backward), per source 10 (its logits at
 #                 every later site, one [B*T, d] x [d, sites] product, its 1/rms, and their backward)
-#   two-phase     per group of G sites over the n sources completed before it: 4n + 3G (phase 1, one pass for all
-#                 G sites); per site merging e later sources: 6 + 5e (phase 2); per source: 5 (its logits against
-#                 every later site, one [B*T, d] x [d, sites] product, and their backward)
+#   two-phase     what model.Routing runs for the sublayer modes: per group of G sites over the n sources completed
+#                 before it 10n + 5G (phase 1, one pass for all G sites: stack and product, their backward, the
+#                 sources' gradients); per site merging the e sources completed since: 10 + 6e (phase 2, h rebuilt);
+#                 per source 10 (its keys, as above); a first site that sees E alone mixes alone (keys + mix). The
+#                 block modes keep keys + mix (a handful of sources per site): their two-phase column is keys + mix.
 TRAFFIC = {
     'route':      dict(site=lambda N: 19 * N + 3, source=0),
     'route_fast': dict(site=lambda N: 11 * N + 1, source=4),
@@ -100,25 +103,21 @@ TRAFFIC = {
 }
 
 
-def routing_traffic(sites, d, bytes_per_element, group):
+def routing_traffic(sites, d, bytes_per_element, two_phase):
     """{schedule: bytes per token} of the routing for route(), route_fast, keys + mix and two-phase, given
-    GPT.routing_sites() (each site's completed sources n, and o = 1 if the open block is a source too). Two-phase:
-    a new group starts where `group` sources have been completed since the current group started."""
+    GPT.routing_sites() (each site's completed sources n, and o = 1 if the open block is a source too); two_phase:
+    whether the mode routes in two phases (model.Routing: the sublayer modes), in groups of round(sqrt(sites)) sites."""
     n_sources = sites[-1][0]
     passes = {name: sum(t['site'](n + o) for n, o in sites) + t['source'] * n_sources for name, t in TRAFFIC.items()}
-    groups = []                                         # [n completed at its start, its sites' merged sources e]
-    for n, o in sites:
-        if not groups or n - groups[-1][0] >= group:
-            groups.append([n, []])
-        groups[-1][1].append(n - groups[-1][0] + o)    # phase 2: completed since the group started, the open block
-    passes['two_phase'] = 5 * n_sources + sum(4 * n + 3 * len(es) + sum(6 + 5 * e for e in es) for n, es in groups)
+    if two_phase:
+        alone = [n for n, o in sites if n + o == 1]     # sees E only: keys + mix
+        rest, G = sites[len(alone):], max(1, round(math.sqrt(len(sites))))
+        passes['two_phase'] = (sum(TRAFFIC['keys_mix']['site'](n) for n in alone) + 10 * n_sources
+                               + sum(10 * grp[0][0] + 5 * len(grp) + sum(10 + 6 * (n - grp[0][0]) for n, _ in grp)
+                                     for grp in (rest[i:i + G] for i in range(0, len(rest), G))))
+    else:
+        passes['two_phase'] = passes['keys_mix']
     return {name: p * d * bytes_per_element for name, p in passes.items()}
-
-
-def two_phase_group(mode, n_sites):
-    """The two-phase schedule's group: a block per group (Kimi's schedule) for the block modes; about sqrt(sites)
-    for the sublayer modes, which balances phase 1 (n per group) against phase 2 (e per site)."""
-    return 1 if RESIDUAL_MODES[mode][0] == 'block' else max(1, round(math.sqrt(n_sites)))
 
 
 def peak_flops_here():
@@ -269,7 +268,7 @@ def main():
     with torch.device('meta'):      # the shapes only: no memory
         sites = lambda m, L, d, nb: GPT(GPTConfig(vocab_size=8, n_layer=L, n_embd=d, n_head=1, n_kv_head=1, head_dim=8,
                                                   intermediate_size=8, residual=m, n_blocks=nb, variant=variant)).routing_sites()
-        traffic = {shape: {m: routing_traffic(S := sites(m, L, d, nb), d, b, two_phase_group(m, len(S)))
+        traffic = {shape: {m: routing_traffic(sites(m, L, d, nb), d, b, RESIDUAL_MODES[m][0] == 'sublayer')
                            for m in modes if m != 'standard'}
                    for shape, (L, d, nb, b) in shapes.items()}
     if json:

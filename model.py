@@ -156,6 +156,100 @@ def mix(logits, sources):
     return out, alpha
 
 
+# Two-phase routing (the sublayer modes: a site per sublayer, every earlier sublayer's output a source, O(L^2) reads
+# in the mix above). The sites come in groups of about sqrt(sites). Phase 1, at a group's first site: the sources
+# completed so far, mixed for every site of the group in one pass, o_k = sum_i beta_ki s_i with beta_k = softmax of
+# their logits at site k, and lse_k = logsumexp of those logits. Phase 2, at each site k: the few sources completed
+# since join in, as if o_k were one more source with logit lse_k,
+#
+#     (c, a_1..a_e) = softmax(lse_k, z_1..z_e),    out = c * o_k + sum_j a_j s_j,    x = h + gate * out  (or x = out)
+#
+# which is exactly softmax over all of the site's logits. Backward, every logit's gradient is
+# alpha_i * (<s_i, dL/dout> - m) with m = <out, dL/dout>, and m comes from what the sublayer's RMSNorm keeps
+# anyway: x (replace: out = x; add: out * gate = x - h, with h rebuilt from the group's first h and the sources
+# completed since, the same additions in the same order). Phase 2 runs its backward first but cannot compute
+# phase 1's sources' part, so the two Functions agree on what flows between them: phase 2 returns -c * m as the
+# "gradient" of lse_k and c * dL/dx as that of o_k (without the gate), and phase 1 finishes the logits' gradients
+# from the products it computes anyway (docs/routing.md). Saved: the sources (once), the group's first h, the
+# weights; no per-site copy.
+
+def _promoted(tensors):
+    return functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+
+
+def _stack(sources):
+    dtype = _promoted(sources)
+    return torch.stack([s.to(dtype) for s in sources], -2)                          # (B, T, N, d)
+
+
+def _prefix(Z, sources):
+    """Phase 1: Z (B, T, G, N) fp32 logits of N sources at G sites -> o (B, T, G, d), beta, lse (B, T, G)."""
+    beta, S = Z.softmax(-1), _stack(sources)
+    return beta.to(S.dtype) @ S, beta, Z.logsumexp(-1)
+
+
+def _merge(o, lse, z, h, gate, inner):
+    """Phase 2: o, lse of the site; z (B, T, e) logits of the e sources completed since (inner) -> x, weights."""
+    w = torch.cat([lse.unsqueeze(-1), z], -1).softmax(-1)                         # (c, a_1..a_e)
+    out = w[..., :1] * o
+    for j, s in enumerate(inner):
+        out = torch.addcmul(out, w[..., j + 1:j + 2], s)
+    out = out.to(_promoted([o, *inner]))
+    if h is None:
+        return out, w                                                               # replace: x = out
+    h = sum(inner, h)                        # h at this site: the model's own additions, in its order (same bits)
+    return h + (out if gate is None else gate * out), w
+
+
+class _Prefix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, Z, gates, *sources):
+        with torch.autocast(Z.device.type, enabled=False):
+            o, beta, lse = _prefix(Z, sources)
+        ctx.save_for_backward(beta, gates, *sources)
+        return (*o.unbind(-2), *lse.unbind(-1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        beta, gates, *sources = ctx.saved_tensors
+        G = beta.shape[-2]
+        with torch.autocast(beta.device.type, enabled=False):
+            S = _stack(sources)
+            dO = torch.stack(grads[:G], -2).to(S.dtype)                               # c * dL/dx per site (B, T, G, d)
+            lam = torch.stack(grads[G:], -1)                                          # -c * m per site (B, T, G)
+            D = (dO @ S.transpose(-1, -2)).float()                                    # <s_i, c dL/dx>  (B, T, G, N)
+            g = 1 if gates is None else gates.float()[:, None]
+            dZ = beta * (g * D + lam.unsqueeze(-1))                                   # alpha_i (<s_i, dL/dout> - m)
+            dS = (beta * g).to(S.dtype).transpose(-1, -2) @ dO                        # (B, T, N, d)
+            dgates = None if gates is None else (beta * D).sum((0, 1, 3)).to(gates.dtype)
+        return (dZ, dgates, *(d.to(s.dtype) for d, s in zip(dS.unbind(-2), sources)))
+
+
+class _Merge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, o, lse, z, h, gate, *inner):
+        with torch.autocast(o.device.type, enabled=False):
+            x, w = _merge(o, lse, z, h, gate, inner)
+        ctx.save_for_backward(x, w, h, gate, *inner)
+        return x
+
+    @staticmethod
+    def backward(ctx, gx):
+        x, w, h, gate, *inner = ctx.saved_tensors
+        dot = lambda a, b: torch.linalg.vecdot(a.float(), b.float())
+        with torch.autocast(gx.device.type, enabled=False):
+            # m = <out, dL/dout>: replace, out = x; add, gate * out = x - h
+            m = dot(x, gx) if h is None else dot(x - sum(inner, h), gx)
+            gout = gx if gate is None else gate * gx
+            c, a = w[..., 0], w[..., 1:]
+            Dx = torch.stack([dot(s, gx) for s in inner], -1) if inner else torch.zeros_like(a)    # (B, T, e)
+            dz = a * ((Dx if gate is None else gate.float() * Dx) - m.unsqueeze(-1))
+            # h = (the group's first h) + the inner sources: dL/dx reaches them both ways in the additive modes
+            dinner = [(a[..., j:j + 1] * gout + (0 if h is None else gx)).to(s.dtype) for j, s in enumerate(inner)]
+            dgate = None if gate is None else (a * Dx).sum().reshape(gate.shape).to(gate.dtype)  # this phase's part
+        return (c.unsqueeze(-1).to(gx.dtype) * gx, -c * m, dz, None if h is None else gx, dgate, *dinner)
+
+
 def routing_stats(alpha):
     """The papers' diagnostics for one site: how peaked the weights are, and where they go."""
     return {
@@ -170,14 +264,17 @@ class Routing:
         sources    the completed sources, in order ([E, v_0, v_1, ...] or [E, b_1, b_2, ...])
         block      the block modes' open block: the running sum of its sublayer outputs, or None
         keys       fast path: [(first site, keys(source))] of each completed source, its logits at every later site
+        phase1     two-phase routing: (first site, number of sources, h) of the open group and its phase-1 result
     and four verbs: complete(s) adds a source, add_to_block(v) / close_block() keep the open block,
-    route(name, proj, norm) mixes the completed sources and the open block at the next site.
-    sites: [(proj, norm)] of every routing site in forward order (their u = w * g, for the keys); fast=False
-    routes with the plain route() instead."""
+    route(name, proj, norm, h, gate) routes the next site and returns its sublayer input.
+    sites: [(proj, norm, gate)] of every routing site in forward order (their u = w * g, for the keys); fast=False
+    routes with the plain route() instead; two_phase (the sublayer modes): groups of about sqrt(sites) sites."""
 
-    def __init__(self, sites, eps, fast=True, stats=None):
-        self.sources, self.block, self.keys, self.next_site = [], None, [], 0
-        self.U = torch.stack([p.weight[0] * n.weight for p, n in sites]) if fast and sites else None
+    def __init__(self, sites, eps, fast=True, two_phase=False, stats=None):
+        self.sources, self.block, self.keys, self.next_site, self.phase1 = [], None, [], 0, None
+        self.U = torch.stack([p.weight[0] * n.weight for p, n, _ in sites]) if fast and sites else None
+        self.gates = [g for _, _, g in sites]
+        self.group = max(1, round(math.sqrt(len(sites)))) if fast and two_phase and sites else None
         self.eps, self.fast, self.stats = eps, fast, stats     # stats: a dict to fill with routing_stats, or None
 
     def complete(self, s):
@@ -193,22 +290,49 @@ class Routing:
             self.complete(self.block)
             self.block = None
 
-    def route(self, name, proj, norm):
+    def route(self, name, proj, norm, h=None, gate=None):
+        """The next site's sublayer input: the routed mix (replace: h=None), or h + gate * mix (add; gate None: 1)."""
         k, self.next_site = self.next_site, self.next_site + 1
-        srcs = self.sources + ([] if self.block is None else [self.block])
-        if self.fast:
-            logits = [z[..., k - first] for first, z in self.keys]
-            if self.block is not None:      # the open block changes at every site: its logit here only
-                logits.append(keys(self.block, self.U[k:k + 1], self.eps)[..., 0])
-            out, alpha = mix(torch.stack(logits), srcs)
-            out = out.to(torch.get_autocast_dtype(out.device.type) if torch.is_autocast_enabled(out.device.type)
-                         else functools.reduce(torch.promote_types, [s.dtype for s in srcs]))   # route()'s dtype
+        if self.group and len(self.sources) > 1:    # (a site that sees E only has nothing to share: it mixes alone)
+            x = self.two_phase(k, h, gate)
+            alpha = torch.stack([z[..., k - first] for first, z in self.keys]).softmax(0) if self.stats is not None else None
         else:
-            out, alpha = route(srcs, proj, norm)
+            srcs = self.sources + ([] if self.block is None else [self.block])
+            if self.fast:
+                logits = [z[..., k - first] for first, z in self.keys]
+                if self.block is not None:      # the open block changes at every site: its logit here only
+                    logits.append(keys(self.block, self.U[k:k + 1], self.eps)[..., 0])
+                out, alpha = mix(torch.stack(logits), srcs)
+                out = out.to(torch.get_autocast_dtype(out.device.type) if torch.is_autocast_enabled(out.device.type)
+                             else _promoted(srcs))                                          # route()'s dtype
+            else:
+                out, alpha = route(srcs, proj, norm)
+            x = out if h is None else h + (out if gate is None else gate * out)
         if self.stats is not None:
             with torch.no_grad():
                 self.stats[name] = routing_stats(alpha)
-        return out
+        return x
+
+    def two_phase(self, k, h, gate):
+        # the Functions where there is something to differentiate; else (evaluation, sampling) the math, saving nothing
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*self.sources, self.U, h, gate))
+        if self.phase1 is None or k - self.phase1[0] == self.group:  # phase 1, at the group's first site
+            G = min(self.group, len(self.U) - k)
+            Z = torch.stack([z[..., k - first:k - first + G] for first, z in self.keys], -1)     # (B, T, G, N)
+            gates = None if gate is None else torch.cat(self.gates[k:k + G])
+            if grad:
+                res = _Prefix.apply(Z, gates, *self.sources)
+                o, lse = res[:G], res[G:]
+            else:
+                o, _, lse = _prefix(Z, self.sources)
+                o, lse = o.unbind(-2), lse.unbind(-1)
+            self.phase1 = (k, len(self.sources), h, o, lse)
+        first, n, h0, o, lse = self.phase1
+        inner = self.sources[n:]                                    # completed inside the group
+        z = (torch.stack([zi[..., k - f] for f, zi in self.keys[n:]], -1) if inner
+             else lse[0].new_zeros(*lse[0].shape, 0))
+        args = (o[k - first], lse[k - first], z, h0, gate)
+        return _Merge.apply(*args, *inner) if grad else _merge(*args, inner)[0]
 
 
 # -----------------------------------------------------------------------------
@@ -390,7 +514,7 @@ class GPT(nn.Module):
         E = self.embed_tokens(idx)
         h = E                   # the ordinary residual stream (standard and Delta modes)
         routing = Routing(self.routing_parameters(), self.config.rms_norm_eps, self.fast_routing,
-                          site_stats if stats else None)
+                          self.granularity == 'sublayer', site_stats if stats else None)
         if not official:
             routing.complete(E)
         for i, layer in enumerate(self.layers):
@@ -401,8 +525,7 @@ class GPT(nn.Module):
                 if proj is None:
                     x = h                                              # no routing site here
                 else:
-                    routed = routing.route(f'layers.{i}.{kind}', proj, norm)
-                    x = routed if replace else h + (routed if gate is None else gate * routed)
+                    x = routing.route(f'layers.{i}.{kind}', proj, norm, None if replace else h, gate)
                 v = f(x)
                 if official and opens_block:
                     # The authors' code (variant='official') closes a block only now, after the next
@@ -454,10 +577,10 @@ class GPT(nn.Module):
                 unit.compile(fullgraph=True)
 
     def routing_parameters(self):
-        """[(pseudo-query, key norm)] of every routing site, in forward order."""
-        sites = [(proj, norm) for layer in self.layers for _, _, proj, norm, _ in layer.sublayers(None, None)
+        """[(pseudo-query, key norm, gate or None)] of every routing site, in forward order."""
+        sites = [(proj, norm, gate) for layer in self.layers for _, _, proj, norm, gate in layer.sublayers(None, None)
                  if proj is not None]
-        return sites + ([(self.final_res_proj, self.final_res_norm)] if self.mixing == 'replace' else [])
+        return sites + ([(self.final_res_proj, self.final_res_norm, None)] if self.mixing == 'replace' else [])
 
     def routing_sites(self):
         """(completed sources, 1 if the open block is a source too) at each routing site, in forward order."""
