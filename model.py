@@ -4,8 +4,9 @@ Residuals (Full and Block AttnRes, arXiv 2603.15031) and Delta Attention Residua
 Delta Block, arXiv 2605.18855). One file, read top to bottom:
 
 1. the routing rule (`route`), the papers' core, in a few lines; `keys` and `mix`, the same numbers
-   with each source's logits computed once and activation memory linear in depth; and `Routing`, the
-   state a forward pass routes with (its sources, the open block; what GPT.forward uses);
+   with each source's logits computed once and activation memory linear in depth; two-phase routing
+   (`_Prefix`, `_Merge`), the same numbers again for the sublayer modes with each source read once per
+   group of sites; and `Routing`, the state a forward pass routes with (what GPT.forward uses);
 2. the Qwen3 building blocks (RoPE, grouped-query attention with q/k norms, SwiGLU MLP);
 3. `GPT.forward`, where the five modes are two switches on one loop:
       which sources are routed   (every sublayer's output, or per-block sums), and
