@@ -295,8 +295,7 @@ class Routing:
         """The next site's sublayer input: the routed mix (replace: h=None), or h + gate * mix (add; gate None: 1)."""
         k, self.next_site = self.next_site, self.next_site + 1
         if self.group and len(self.sources) > 1:    # (a site that sees E only has nothing to share: it mixes alone)
-            x = self.two_phase(k, h, gate)
-            alpha = torch.stack([z[..., k - first] for first, z in self.keys]).softmax(0) if self.stats is not None else None
+            x, alpha = self.two_phase(k, h, gate), None
         else:
             srcs = self.sources + ([] if self.block is None else [self.block])
             if self.fast:
@@ -311,6 +310,8 @@ class Routing:
             x = out if h is None else h + (out if gate is None else gate * out)
         if self.stats is not None:
             with torch.no_grad():
+                if alpha is None:       # two-phase: the site's weights over all of its sources, for the statistics
+                    alpha = torch.stack([z[..., k - first] for first, z in self.keys]).softmax(0)
                 self.stats[name] = routing_stats(alpha)
         return x
 
