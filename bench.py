@@ -27,9 +27,8 @@ hold on a noisy machine. Columns:
                    are the same code in every mode; with compile_regional, the same graphs). A mode's cold compile:
                    list it first, e.g. --residual=delta_attnres,standard (standard is added first only if missing)
 Then the routing's modelled memory traffic (routing_traffic, docs/routing.md) at this shape and at the
-paper's 1b shape: what route(), route_fast (before issue 15), keys + mix and the two-phase schedule that the
-model runs for the sublayer modes
-read and write per token.
+paper's 1b shape: what route(), route_fast (before issue 15), keys + mix and the two-phase schedule (which the
+model runs for the sublayer modes) read and write per token.
 """
 
 import atexit
