@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The CPU study behind results/README.md (config/study_cpu.py: d=64, 2.05M training tokens per run), in parts:
+# The CPU study behind results/README.md (config/study_cpu.py: d=64, 4.1M training tokens per run), in parts:
 #   compare  all five modes and delta_block variant=official, 12 layers, seeds 0-2             18 runs
 #   depth    standard / attnres / delta_block at 4 and 24 layers, seeds 0-2 (12: compare)      18 runs
 #   convert  the 12-layer standard model of seed 0, exported and fine-tuned as itself
 #            and converted to delta_block (with and without res_gate) and attnres                4 runs
-#   length   standard / attnres / delta_block, 12 layers, seed 0, at 0.25M, 1M, 4M tokens          9 runs
+#   length   standard / attnres / delta_block, 12 layers, seed 0, at 0.25M, 1M, 2M tokens          9 runs
 #   depth36  standard / attnres / delta_block / delta_attnres at 36 layers (the paper's 1b depth), seeds 0-2
 #                                                                                               12 runs
 # bash results/cpu_study.sh [PART ...]   (default: all, in this order). JOBS runs at a time, one thread each
@@ -37,8 +37,8 @@ convert() {
     } | run_all
 }
 
-length() {   # 2000 steps is the compare part; 250 steps keeps the old study's 25 warmup steps
-    for steps in 4000 1000 250; do
+length() {   # 4000 steps is the compare part; 250 steps keeps the old study's 25 warmup steps
+    for steps in 2000 1000 250; do
         warmup=$(( steps < 1000 ? 25 : 100 )); every=$(( steps < 1000 ? 50 : 250 ))
         for mode in standard attnres delta_block; do
             echo "$OUT/length/S$steps/${mode}_s0 config/study_cpu.py --residual=$mode --seed=0 --max_iters=$steps" \
