@@ -8,7 +8,9 @@ Compare train.py runs: one markdown table of the modes, and with --out the figur
 Each RUN_DIR is a train.py out_dir: log.jsonl (the numbers and the commit) and ckpt (the settings, and the final
 weights for the routing measurement). Runs whose settings differ only in `seed` (and `out_dir`,
 `wandb_run_name`) are one group: a row of the table gives the mean +- the sample standard deviation over
-its seeds. The figures (matplotlib, imported only with --out):
+its seeds. Below it, seed by seed (a seed fixes the batches): each mode against `standard` of the same settings,
+and each depth against the next smaller depth of the same mode and settings. The figures (matplotlib, imported
+only with --out):
   val_loss.png     validation loss against step, one color per group (thin: each seed; thick: their mean)
   max_weight.png   the papers' sharpness figure: the mean over tokens of the largest routing weight at
                    each sublayer, by depth, one curve per routed group (mean over seeds)
@@ -210,34 +212,61 @@ def main_table(groups, varying):
     return markdown(head, rows)
 
 
+def seed_diffs(group, ref):
+    """{seed: final val loss of this group's run - that of ref's run with the same seed}: a seed fixes the initial
+    weights and the data order, so the two runs saw the same batches (at any depth: the batches do not depend on
+    the model)."""
+    final = lambda r: r['val'][max(r['val'])]
+    ref_by_seed = {r['config']['seed']: final(r) for r in ref['runs']}
+    return {r['config']['seed']: final(r) - ref_by_seed[r['config']['seed']]
+            for r in group['runs'] if r['config']['seed'] in ref_by_seed}
+
+
 def paired_diffs(group, groups):
-    """{seed: final val loss of this group's run - that of the standard run with the same seed and settings}: a seed
-    fixes the initial weights and the data order, so the two runs saw the same batches. Empty without a baseline."""
+    """seed_diffs against the standard run with the same settings; empty without one."""
     ref = baseline_of(group, groups)
-    if ref is None or ref is group:
-        return {}
-    std_by_seed = {r['config']['seed']: r['val'][max(r['val'])] for r in ref['runs']}
-    return {r['config']['seed']: r['val'][max(r['val'])] - std_by_seed[r['config']['seed']]
-            for r in group['runs'] if r['config']['seed'] in std_by_seed}
+    return {} if ref is None or ref is group else seed_diffs(group, ref)
 
 
-def paired_table(groups):
-    """Each mode against the standard group of the same settings, seed by seed: the difference of the final val
-    losses per seed, their mean ± sample std, and how many seeds the mode wins (lower loss)."""
+def shallower_of(group, groups):
+    """The group of the same mode and settings with the most layers below this group's, or None."""
+    cfg = group['config']
+    same = [g for g in groups if g['config']['n_layer'] < cfg['n_layer']
+            and all(g['config'].get(k) == v for k, v in cfg.items() if k != 'n_layer')]
+    return max(same, key=lambda g: g['config']['n_layer'], default=None)
+
+
+def paired_rows(pairs):
+    """Rows of (label, {seed: difference}): the differences per seed, their mean ± sample std, how many seeds are
+    lower (negative: better), and the verdict: better or worse where every seed agrees and the mean difference
+    exceeds the standard deviation of the differences, otherwise inside the spread."""
     rows = []
-    for g in groups:
-        diffs = paired_diffs(g, groups)
-        if not diffs:
-            continue
+    for label, diffs in pairs:
         d = [diffs[s] for s in sorted(diffs)]
         wins = sum(x < 0 for x in d)
         beyond = len(d) > 1 and abs(statistics.fmean(d)) > statistics.stdev(d) and wins in (0, len(d))
         verdict = ('better' if wins else 'worse') if beyond else 'inside the spread' if len(d) > 1 else '1 seed'
-        rows.append([g['label'], ', '.join(str(s) for s in sorted(diffs)), ' '.join(f"{x:+.4f}" for x in d),
+        rows.append([label, ', '.join(str(s) for s in sorted(diffs)), ' '.join(f"{x:+.4f}" for x in d),
                      f"{statistics.fmean(d):+.4f} ± {statistics.stdev(d):.4f}" if len(d) > 1 else f"{d[0]:+.4f}",
                      f"{wins}/{len(d)}", verdict])
+    return rows
+
+
+def paired_table(groups):
+    """Each mode against the standard group of the same settings, seed by seed."""
+    rows = paired_rows((g['label'], d) for g in groups if (d := paired_diffs(g, groups)))
     head = ['run', 'seeds', 'Δ val loss per seed', 'mean ± std', 'wins', 'verdict']
     return markdown(head, rows) if rows else None
+
+
+def depth_table(groups):
+    """Each group against the same mode and settings one depth shallower, seed by seed: does depth help?"""
+    pairs = []
+    for g in groups:
+        if (ref := shallower_of(g, groups)) and (d := seed_diffs(g, ref)):
+            pairs.append((f"{g['label']} − {ref['config']['n_layer']}×{ref['config']['n_embd']}", d))
+    head = ['run − shallower', 'seeds', 'Δ val loss per seed', 'mean ± std', 'deeper wins', 'verdict']
+    return markdown(head, paired_rows(pairs)) if pairs else None
 
 
 def conversion_table(groups, baseline, pct):
@@ -456,6 +485,11 @@ def main(argv=None):
                  "Δ: the mode's final val loss minus standard's with the same seed (the same initial weights and "
                  "batches) and settings; negative is better. Verdict: better or worse where every seed agrees and "
                  "the mean difference exceeds the standard deviation of the differences; otherwise inside the spread."]
+    deeper = depth_table(groups)
+    if deeper:
+        text += ['', '### Deeper against shallower, seed by seed', '', deeper, '',
+                 "Δ: the final val loss minus that of the same mode and settings at the next smaller depth, with the "
+                 "same seed (the same batches); negative: the deeper model is better. Verdict as above."]
     timed = [r['seconds'] for r in runs if r['seconds'] is not None]
     if timed:
         text += ['', f"Wall time: {len(timed)} of the {len(runs)} runs recorded theirs (OUT_DIR/seconds), "

@@ -228,3 +228,25 @@ def test_paired_differences_against_standard_seed_by_seed(tmp_path, capsys):
     assert rows['delta_block 4×768']['Δ val loss per seed'] == '-0.5000' and rows['delta_block 4×768']['verdict'] == '1 seed'
     if plots:
         assert is_png(tmp_path / 'fig' / 'paired.png')
+
+
+def test_deeper_against_shallower_seed_by_seed(tmp_path, capsys):
+    # standard at 4, 12 and 24 layers (seeds 0-2): 12 beats 4 on every seed by more than the spread, 24 beats 12 on
+    # two seeds; delta_block at 4 and 24 layers only (its pair skips the missing depth); 24-layer standard lacks seed 2
+    loss = {('standard', 4): {0: 2.00, 1: 2.10, 2: 1.90}, ('standard', 12): {0: 1.80, 1: 1.95, 2: 1.70},
+            ('standard', 24): {0: 1.75, 1: 1.97}, ('delta_block', 4): {0: 2.05, 1: 2.00},
+            ('delta_block', 24): {0: 1.85, 1: 2.20}}
+    dirs = [fake_run(tmp_path / f'{m}{L}_{s}', s, {0: 5.0, 100: v}, dict(residual=m, n_layer=L))
+            for (m, L), by in loss.items() for s, v in by.items()]
+    report.main(dirs + ['--routing=log'])
+    rows = {r['run − shallower']: r for r in parse(capsys.readouterr().out.split('### Deeper against shallower, seed by seed')[1].strip())}
+    assert set(rows) == {'standard 12×768 − 4×768', 'standard 24×768 − 12×768', 'delta_block 24×768 − 4×768'}
+    d = [1.80 - 2.00, 1.95 - 2.10, 1.70 - 1.90]
+    r = rows['standard 12×768 − 4×768']
+    assert (r['Δ val loss per seed'], r['mean ± std'], r['deeper wins'], r['verdict']) == \
+        (' '.join(f"{x:+.4f}" for x in d), spread(d, 4), '3/3', 'better')
+    r = rows['standard 24×768 − 12×768']
+    assert (r['seeds'], r['Δ val loss per seed'], r['deeper wins'], r['verdict']) == \
+        ('0, 1', '-0.0500 +0.0200', '1/2', 'inside the spread')
+    r = rows['delta_block 24×768 − 4×768']
+    assert (r['Δ val loss per seed'], r['deeper wins'], r['verdict']) == ('-0.2000 +0.2000', '1/2', 'inside the spread')
