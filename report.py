@@ -4,9 +4,12 @@ Compare train.py runs: one markdown table of the modes, and with --out the figur
     python report.py out/study/*                          # print the table
     python report.py out/study/* --out=results/study      # + table.md, val_loss.png, max_weight.png, heatmap_*.png
     python report.py out/convert_* --recover_pct=1        # runs fine-tuned from a checkpoint: + the conversion table
+    python report.py out/study/L24/* --save_runs=results/runs   # + results/runs/L24/<run>.json, readable in their
+    python report.py results/runs/L24/*.json                    # place once the run folders are gone
 
-Each RUN_DIR is a train.py out_dir: log.jsonl (the numbers and the commit) and ckpt (the settings, and the final
-weights for the routing measurement). Runs whose settings differ only in `seed` (and `out_dir`,
+Each RUN is a train.py out_dir: log.jsonl (the numbers and the commit) and ckpt (the settings, and the final
+weights for the routing measurement), or a run saved by --save_runs (the same without the weights, the routing
+already measured): results/runs holds the CPU study's, so its tables can be remade and extended. Runs whose settings differ only in `seed` (and `out_dir`,
 `wandb_run_name`) are one group: a row of the table gives the mean +- the sample standard deviation over
 its seeds. Below it, seed by seed (a seed fixes the batches): each mode against `standard` of the same settings,
 and each depth against the next smaller depth of the same mode and settings. The figures (matplotlib, imported
@@ -48,26 +51,52 @@ EXECUTION = ('compile', 'compile_regional', 'log_interval', 'ddp_timeout_s', 'wa
 MODE_KEYS = ('residual', 'variant', 'n_blocks', 'res_gate', 'routing_learning_rate', 'freeze_base')
 
 
-def load_run(run_dir):
-    """One train.py out_dir -> {'dir', 'config', 'val': {step: val_loss}, 'train': [log records of train steps], ...}."""
-    run_dir = Path(run_dir)
+def load_run(path):
+    """A train.py out_dir, or a run saved by --save_runs (RUN.json) -> {'dir', 'config', 'val': {step: val_loss},
+    'train': [log records of train steps], 'records', 'routing', 'commits', 'seconds'}."""
+    if str(path).endswith('.json'):
+        saved = json.loads(Path(path).read_text())
+        return make_run(saved['dir'], saved['config'], saved['records'], saved['seconds'],
+                        routing=saved['routing'], routing_batches=saved['routing_batches'])
+    run_dir = Path(path)
     log = run_dir / 'log.jsonl'
     if not log.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a train.py out_dir: log.jsonl is missing")
+        raise FileNotFoundError(f"{run_dir} is not a train.py out_dir (log.jsonl is missing) nor a run saved by "
+                                f"--save_runs (RUN.json)")
     ckpt = trained_checkpoint(str(run_dir))
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    val = {r['step']: r['val_loss'] for r in records if 'val_loss' in r}
-    if not val:
-        raise ValueError(f"{log} has no evaluation yet (no val_loss record)")
     # the settings: a checkpoint folder's state.json, or an older ckpt.pt read safely (its weights only mapped)
     config = (read_state(ckpt) if os.path.isdir(ckpt) else read_checkpoint(ckpt))['config']
+    # its wall time, where the script that ran it wrote one (results/study_runs.sh: OUT_DIR/seconds)
+    seconds = float((run_dir / 'seconds').read_text()) if (run_dir / 'seconds').is_file() else None
+    return make_run(str(run_dir), config, records, seconds)
+
+
+def make_run(run_dir, config, records, seconds, routing=None, routing_batches=None):
+    val = {r['step']: r['val_loss'] for r in records if 'val_loss' in r}
+    if not val:
+        raise ValueError(f"{run_dir} has no evaluation yet (no val_loss record)")
     config = {'variant': 'paper', **config}   # runs from before the setting existed ran the papers' definitions
     # which code made it: the provenance record of each start and restart (none in runs from before it existed)
     commits = {commit_of(r['provenance']) for r in records if 'provenance' in r} or {'unknown'}
-    # its wall time, where the script that ran it wrote one (results/study_runs.sh: OUT_DIR/seconds)
-    seconds = float((run_dir / 'seconds').read_text()) if (run_dir / 'seconds').is_file() else None
-    return dict(dir=run_dir, config=config, val=val, train=[r for r in records if 'tok_per_s' in r],
-                records=records, routing=None, commits=commits, seconds=seconds)
+    return dict(dir=run_dir, config=config, val=val, train=[r for r in records if 'tok_per_s' in r], records=records,
+                routing=routing, routing_batches=routing_batches, commits=commits, seconds=seconds)
+
+
+def save_run(run, folder):
+    """The run as one JSON file, FOLDER/<its folder's parent>/<its folder>.json, which load_run reads back: what the
+    tables and figures need (settings, log, measured routing, wall time) without the checkpoint, so that results
+    outlive the run folders and a study can be continued in a later sitting. The log keeps the routing summary of
+    its last logged step only (routing_from_log's); the numbers are as logged, so a table made from saved runs
+    equals the one made from their folders."""
+    last = max((i for i, r in enumerate(run['records']) if r.get('routing')), default=None)
+    records = [{k: v for k, v in r.items() if k != 'routing' or i == last} for i, r in enumerate(run['records'])]
+    path = Path(folder) / Path(run['dir']).parent.name / f"{Path(run['dir']).name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    saved = dict(dir=str(run['dir']), config=run['config'], seconds=run['seconds'], records=records,
+                 routing=run['routing'], routing_batches=run['routing_batches'])
+    path.write_text(json.dumps(saved, separators=(',', ':')) + '\n')
+    return path
 
 
 def commit_of(provenance):
@@ -430,7 +459,10 @@ def plot_heatmap(title, stats, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('runs', nargs='+', metavar='RUN_DIR', help='train.py out_dirs (log.jsonl and ckpt)')
+    ap.add_argument('runs', nargs='+', metavar='RUN', help='train.py out_dirs (log.jsonl and ckpt), or runs saved by '
+                                                       '--save_runs (RUN.json)')
+    ap.add_argument('--save_runs', metavar='FOLDER', help="also save each run as FOLDER/<its folder's parent>/<its "
+                    "folder>.json (settings, log, measured routing, wall time: no weights), readable here in its place")
     ap.add_argument('--out', help='folder to write table.md and the PNGs to (needs matplotlib)')
     ap.add_argument('--routing', choices=['val', 'log'], default='val',
                     help="val: forward passes of each final checkpoint on its dataset's val batches; "
@@ -452,10 +484,18 @@ def main(argv=None):
     routed = [r for r in runs if r['config']['residual'] != 'standard']
     for i, run in enumerate(routed):
         if args.routing == 'log':
-            run['routing'] = routing_from_log(run)
+            run['routing'], run['routing_batches'] = routing_from_log(run), None
+        elif run['routing'] is not None:    # a saved run: measured when it was saved
+            if run['routing_batches'] != args.batches:
+                raise SystemExit(f"{run['dir']}: its saved routing was measured on {run['routing_batches']} val "
+                                 f"batches, not --batches={args.batches}")
         else:
             print(f"routing of {run['dir']} on {args.batches} val batches ({i + 1}/{len(routed)})", file=sys.stderr)
             run['routing'] = routing_from_val(run, args.batches, args.data_root, args.device)
+            run['routing_batches'] = args.batches
+    if args.save_runs:
+        saved = [save_run(r, args.save_runs) for r in runs]
+        print(f"saved {len(saved)} runs to {args.save_runs}", file=sys.stderr)
     order = list(RESIDUAL_MODES)
     groups = sorted(group_runs(runs), key=lambda g: (g['config']['n_layer'], g['config']['n_embd'],
                                                      order.index(g['config']['residual']), g['config']['variant']))

@@ -103,6 +103,28 @@ def test_table_equals_the_logs_and_plots_are_written(runs, corpus, tmp_path, cap
         assert img.ndim == 3 and img.shape[0] > 100 and img[..., :3].std() > 0.05   # not blank
 
 
+def test_saved_runs_make_the_same_table_without_their_folders(runs, tmp_path, capsys):
+    dirs = [str(runs[k]) for k in sorted(runs)]
+    report.main(dirs + ['--batches=3', f'--save_runs={tmp_path / "saved"}'])
+    from_dirs = capsys.readouterr().out
+    # FOLDER/<parent>/<run>.json, one per run; the log without the per-step routing, except its last
+    saved = {k: tmp_path / 'saved' / runs[k].parent.name / f'{runs[k].name}.json' for k in runs}
+    for k, path in saved.items():
+        run = json.loads(path.read_text())
+        log = read_log(runs[k])
+        routed = k[0] != 'standard'
+        assert run['dir'] == str(runs[k]) and run['config']['seed'] == k[1]
+        assert run['routing_batches'] == (3 if routed else None) and (run['routing'] is not None) == routed
+        assert [{f: v for f, v in r.items() if f != 'routing'} for r in run['records']] == \
+               [{f: v for f, v in r.items() if f != 'routing'} for r in log]
+        with_routing = [r['routing'] for r in run['records'] if r.get('routing')]
+        assert with_routing == ([[r for r in log if r.get('routing')][-1]['routing']] if routed else [])
+    report.main([str(p) for p in saved.values()] + ['--batches=3'])
+    assert capsys.readouterr().out == from_dirs        # the same table: nothing read from the folders
+    with pytest.raises(SystemExit, match='measured on 3 val batches, not --batches=8'):
+        report.main([str(p) for p in saved.values()])
+
+
 def fake_run(path, seed, val, config=None, routing=None, commit='0123456789abcdef'):
     """An out_dir as train.py writes it, with hand-picked numbers: the provenance record, eval records
     {step: val_loss}, a train record after every eval (tok/s 1000 * step, memory 1 GiB) and a checkpoint (of the

@@ -8,9 +8,10 @@
 #   depth36  standard / attnres / delta_block / delta_attnres at 36 layers (the paper's 1b depth), seeds 0-2
 #                                                                                               12 runs
 # bash results/cpu_study.sh [PART ...]   (default: all, in this order). JOBS runs at a time, one thread each
-# (results/study_runs.sh); a finished run is skipped, so the script can be stopped and started again. Each
-# part's wall time is appended to out/study/time.txt, each run's to OUT_DIR/seconds. The tables: report.py, with
-# the commands in results/README.md.
+# (results/study_runs.sh). A finished run is saved in results/runs and skipped from then on, so the script can be
+# stopped and started again, in a later sitting too. Each part's wall time is appended to results/runs/time.txt,
+# each run's to OUT_DIR/seconds (and its saved record). The tables: report.py, with the commands in
+# results/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=out/study
@@ -27,8 +28,11 @@ compare() {
 }
 
 convert() {
-    [ -f $OUT/L12/standard_s0/done ] || compare
-    [ -f $OUT/convert/pretrained/config.json ] || python export.py $OUT/L12/standard_s0/ckpt $OUT/convert/pretrained
+    if [ ! -f $OUT/convert/pretrained/config.json ]; then
+        # compare's 12-layer standard model of seed 0 (trained again if its folder is gone: the same model)
+        echo "$OUT/L12/standard_s0 config/study_cpu.py --residual=standard --seed=0" | RERUN_SAVED=1 run_all
+        python export.py $OUT/L12/standard_s0/ckpt $OUT/convert/pretrained
+    fi
     {
         echo "$OUT/convert/standard config/study_cpu_convert.py --residual=standard"
         echo "$OUT/convert/delta_block_gate config/study_cpu_convert.py --residual=delta_block --res_gate=True"
@@ -62,11 +66,11 @@ depth_runs() {
 depth() { depth_runs 4 24; }
 depth36() { depth_runs 36; }
 
-mkdir -p $OUT
+mkdir -p $OUT results/runs
 for part in "${@:-compare depth convert length depth36}"; do
     for p in $part; do
         start=$(date +%s)
         $p
-        echo "$p $(date -u +%FT%TZ) $(( $(date +%s) - start )) s wall, JOBS=$JOBS, $(git rev-parse --short HEAD)" >> $OUT/time.txt
+        echo "$p $(date -u +%FT%TZ) $(( $(date +%s) - start )) s wall, JOBS=$JOBS, $(git rev-parse --short HEAD)" >> results/runs/time.txt
     done
 done

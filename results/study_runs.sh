@@ -1,20 +1,27 @@
 # Sourced by the CPU study's scripts (cpu_study.sh, budget_search.sh): the demo corpus, and run_all, which reads
 # lines "OUT_DIR SETTINGS..." and runs each as one train.py run (JOBS at a time, one thread each), its console
-# output in OUT_DIR/train.txt. A finished run (OUT_DIR/done) is skipped and a stopped one continues from its last
-# checkpoint (--init_from=auto), so a script can be stopped and restarted.
+# output in OUT_DIR/train.txt. A finished run is saved as results/runs/<parent>/<run>.json (report.py --save_runs:
+# settings, log, measured routing, no weights), from which the committed tables are made, so the results outlive
+# the run folders and a study can go on in a later sitting. A saved run is skipped (RERUN_SAVED=1 trains it again:
+# a seed fixes the weights and the batches, so on the same machine and code it is the same run), a stopped one
+# continues from its last checkpoint (--init_from=auto): a script can be stopped and restarted.
 JOBS=${JOBS:-2}
 export OMP_NUM_THREADS=1
 [ -f data/demo/meta.json ] || python prepare_fineweb.py --demo
 
 train_one() {
     local dir=$1; shift
-    [ -f "$dir/done" ] && return 0
+    [ -f "results/runs/$(basename "$(dirname "$dir")")/$(basename "$dir").json" ] && [ "${RERUN_SAVED:-0}" = 0 ] && return 0
     mkdir -p "$dir"
-    # the run's wall time (one thread), summed over the invocations that ended: OUT_DIR/seconds
-    local start=$SECONDS status=0
-    python train.py "$@" --out_dir="$dir" --init_from=auto >> "$dir/train.txt" 2>&1 || status=$?
-    echo $(( $(cat "$dir/seconds" 2>/dev/null || echo 0) + SECONDS - start )) > "$dir/seconds"
-    [ $status = 0 ] && touch "$dir/done"
+    if [ ! -f "$dir/done" ]; then
+        # the run's wall time (one thread), summed over the invocations that ended: OUT_DIR/seconds
+        local start=$SECONDS status=0
+        python train.py "$@" --out_dir="$dir" --init_from=auto >> "$dir/train.txt" 2>&1 || status=$?
+        echo $(( $(cat "$dir/seconds" 2>/dev/null || echo 0) + SECONDS - start )) > "$dir/seconds"
+        [ $status = 0 ] || return $status
+        touch "$dir/done"
+    fi
+    python report.py "$dir" --save_runs=results/runs >> "$dir/train.txt" 2>&1
 }
 export -f train_one
 run_all() { xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _; }
