@@ -50,7 +50,20 @@ def provenance(world_size, device):
     return dict(commit=commit, dirty=bool(git('status', '--porcelain', '--untracked-files=no')) if commit else None,
                 torch=torch.__version__, cuda=torch.version.cuda,
                 device=torch.cuda.get_device_name(device) if device.startswith('cuda') else platform.processor() or 'cpu',
-                world_size=world_size, host=platform.node(), argv=sys.argv, python=platform.python_version())
+                cpu=cpu_name(), world_size=world_size, host=platform.node(), argv=sys.argv,
+                python=platform.python_version())
+
+
+def cpu_name():
+    """The CPU model and the vector instructions torch's kernels use on it (AVX2, AVX512, ...). A run is bitwise
+    repeatable on one machine, but another CPU can sum in another order, and thousands of steps turn those last bits
+    into differences as large as the spread over seeds (results/README.md): where this differs, runs differ."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            model = next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def init_distributed(backend, timeout):

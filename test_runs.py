@@ -127,6 +127,7 @@ def test_provenance_in_the_log_and_the_checkpoint(corpus, tmp_path):
     assert first['step'] == 0 and first['provenance']['commit'] == commit
     import torch
     assert first['provenance']['torch'] == torch.__version__ and first['provenance']['world_size'] == 1
+    assert first['provenance']['cpu'].endswith(', ' + torch.backends.cpu.get_cpu_capability())
     assert first['provenance']['argv'][0].endswith('train.py') and f'--out_dir={tmp_path}/run' in first['provenance']['argv']
     assert checkpoint(tmp_path / 'run')['provenance'] == first['provenance']
 

@@ -29,7 +29,8 @@ compare() {
 
 convert() {
     if [ ! -f $OUT/convert/pretrained/config.json ]; then
-        # compare's 12-layer standard model of seed 0 (trained again if its folder is gone: the same model)
+        # compare's 12-layer standard model of seed 0, trained again if its folder is gone (on another machine
+        # not bit-equal to the saved run; what the part compares all starts from this one export)
         echo "$OUT/L12/standard_s0 config/study_cpu.py --residual=standard --seed=0" | RERUN_SAVED=1 run_all
         python export.py $OUT/L12/standard_s0/ckpt $OUT/convert/pretrained
     fi

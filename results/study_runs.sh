@@ -2,9 +2,8 @@
 # lines "OUT_DIR SETTINGS..." and runs each as one train.py run (JOBS at a time, one thread each), its console
 # output in OUT_DIR/train.txt. A finished run is saved as results/runs/<parent>/<run>.json (report.py --save_runs:
 # settings, log, measured routing, no weights), from which the committed tables are made, so the results outlive
-# the run folders and a study can go on in a later sitting. A saved run is skipped (RERUN_SAVED=1 trains it again:
-# a seed fixes the weights and the batches, so on the same machine and code it is the same run), a stopped one
-# continues from its last checkpoint (--init_from=auto): a script can be stopped and restarted.
+# the run folders and a study can go on in a later sitting. A saved run is skipped (RERUN_SAVED=1 trains it again),
+# a stopped one continues from its last checkpoint (--init_from=auto): a script can be stopped and restarted.
 JOBS=${JOBS:-2}
 export OMP_NUM_THREADS=1
 [ -f data/demo/meta.json ] || python prepare_fineweb.py --demo
