@@ -109,8 +109,13 @@ def test_model_fast_equals_naive(mode, n_blocks, device):
     logits_n, grads_n = loss_and_grads(model, idx, fast=False)
     logits_f, grads_f = loss_and_grads(model, idx, fast=True)
     assert (logits_f - logits_n).abs().max() <= 1e-5 * logits_n.abs().max()
-    for name in grads_n:        # fp32 rounding, relative to each gradient's largest entry
-        assert (grads_f[name] - grads_n[name]).abs().max() <= 1e-4 * grads_n[name].abs().max(), name
+    # fp32 rounding, relative to each gradient's largest entry; for the gates, to the largest gate gradient: a gate's
+    # gradient is one sum over every token of <mix, dL/dx>, which cancels down to 1/70 of another site's here, so its
+    # own size does not measure its rounding (4.7e-9 of 4.5e-5 at layers.0.attn_res_gate on an AVX512 CPU)
+    gates = max((g.abs().max() for n, g in grads_n.items() if n.endswith('res_gate')), default=None)
+    for name in grads_n:
+        scale = gates if name.endswith('res_gate') else grads_n[name].abs().max()
+        assert (grads_f[name] - grads_n[name]).abs().max() <= 1e-4 * scale, name
 
 
 @pytest.mark.parametrize('device', DEVICES)
