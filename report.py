@@ -487,8 +487,9 @@ def main(argv=None):
             run['routing'], run['routing_batches'] = routing_from_log(run), None
         elif run['routing'] is not None:    # a saved run: measured when it was saved
             if run['routing_batches'] != args.batches:
-                raise SystemExit(f"{run['dir']}: its saved routing was measured on {run['routing_batches']} val "
-                                 f"batches, not --batches={args.batches}")
+                raise SystemExit(f"{run['dir']}: its saved routing is " + (
+                    "the logged one: use --routing=log" if run['routing_batches'] is None else
+                    f"measured on {run['routing_batches']} val batches, not --batches={args.batches}"))
         else:
             print(f"routing of {run['dir']} on {args.batches} val batches ({i + 1}/{len(routed)})", file=sys.stderr)
             run['routing'] = routing_from_val(run, args.batches, args.data_root, args.device)
