@@ -12,7 +12,8 @@ weights for the routing measurement), or a run saved by --save_runs (the same wi
 already measured): results/runs holds the CPU study's, so its tables can be remade and extended. Runs whose settings differ only in `seed` (and `out_dir`,
 `wandb_run_name`) are one group: a row of the table gives the mean +- the sample standard deviation over
 its seeds. Below it, seed by seed (a seed fixes the batches): each mode against `standard` of the same settings,
-and each depth against the next smaller depth of the same mode and settings. The figures (matplotlib, imported
+and each depth against the next smaller depth of the same mode and settings; then which machines made the runs,
+with a warning for a seed paired across two (runs on different CPUs are not bit-equal). The figures (matplotlib, imported
 only with --out):
   val_loss.png     validation loss against step, one color per group (thin: each seed; thick: their mean)
   max_weight.png   the papers' sharpness figure: the mean over tokens of the largest routing weight at
@@ -32,6 +33,7 @@ import re
 import shlex
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -79,8 +81,10 @@ def make_run(run_dir, config, records, seconds, routing=None, routing_batches=No
     config = {'variant': 'paper', **config}   # runs from before the setting existed ran the papers' definitions
     # which code made it: the provenance record of each start and restart (none in runs from before it existed)
     commits = {commit_of(r['provenance']) for r in records if 'provenance' in r} or {'unknown'}
+    # and which machine: runs.py records it from 2026-12-02 on (earlier runs: None)
+    machines = {machine_of(r['provenance'], config) for r in records if 'provenance' in r} or {None}
     return dict(dir=run_dir, config=config, val=val, train=[r for r in records if 'tok_per_s' in r], records=records,
-                routing=routing, routing_batches=routing_batches, commits=commits, seconds=seconds)
+                routing=routing, routing_batches=routing_batches, commits=commits, machines=machines, seconds=seconds)
 
 
 def save_run(run, folder):
@@ -103,6 +107,14 @@ def commit_of(provenance):
     if provenance.get('commit') is None:
         return 'unknown'
     return provenance['commit'][:10] + ('+dirty' if provenance.get('dirty') else '')
+
+
+def machine_of(provenance, config):
+    """The GPU a run computed on, or its CPU (model and vector ISA); None where the log did not record it. Runs on
+    different CPUs are not bit-equal (runs.cpu_name), so seeds paired across machines differ by more than the modes."""
+    if str(config.get('device', 'cpu')).startswith('cuda'):
+        return provenance.get('device')
+    return provenance.get('cpu')
 
 
 def group_runs(runs):
@@ -251,6 +263,13 @@ def seed_diffs(group, ref):
             for r in group['runs'] if r['config']['seed'] in ref_by_seed}
 
 
+def cross_machine(group, ref):
+    """[(seed, this run's machines, ref's)] of the seeds whose two runs computed on different known machines."""
+    ref_by_seed = {r['config']['seed']: r['machines'] for r in ref['runs']}
+    pairs = [(r['config']['seed'], r['machines'], ref_by_seed.get(r['config']['seed'], {None})) for r in group['runs']]
+    return [(seed, mine, theirs) for seed, mine, theirs in pairs if None not in mine | theirs and mine != theirs]
+
+
 def paired_diffs(group, groups):
     """seed_diffs against the standard run with the same settings; empty without one."""
     ref = baseline_of(group, groups)
@@ -319,6 +338,22 @@ def conversion_table(groups, baseline, pct):
     head = ['run', 'mode', 'res_gate', 'seeds', 'val loss at step 0', 'final val loss',
             f'back within {pct:g}% of the pretrained loss at step']
     return markdown(head, rows), pretrained
+
+
+def machine_lines(runs, groups):
+    """Which machines made the runs, and a warning for each pair of the paired tables that crosses machines."""
+    count = Counter(m for r in runs for m in r['machines']).most_common()
+    lines = ['Machines (from the logs): ' + '; '.join(f"{m or 'not recorded'}: {n} run{'s' * (n > 1)}" for m, n in count)
+             + '.']
+    for g in groups:
+        for ref in (baseline_of(g, groups), shallower_of(g, groups)):
+            if ref is None or ref is g:
+                continue
+            for seed, mine, theirs in cross_machine(g, ref):
+                lines += ['', f"**Warning:** seed {seed} of {g['label']} ran on {', '.join(sorted(mine))} and its "
+                          f"pair in {ref['label']} on {', '.join(sorted(theirs))}: runs on different CPUs are not "
+                          f"bit-equal, so this difference is partly the machines'."]
+    return lines
 
 
 def markdown(head, rows):
@@ -535,6 +570,7 @@ def main(argv=None):
     if timed:
         text += ['', f"Wall time: {len(timed)} of the {len(runs)} runs recorded theirs (OUT_DIR/seconds), "
                  f"{sum(timed) / 3600:.2f} h in all ({statistics.fmean(timed) / 60:.1f} min per run on average)."]
+    text += [''] + machine_lines(runs, groups)
     mixed = [g for g in groups if len(set().union(*(r['commits'] for r in g['runs']))) > 1]
     for g in mixed:
         text += ['', f"**Warning:** the runs of {g['label']} come from different commits: "

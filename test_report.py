@@ -125,13 +125,13 @@ def test_saved_runs_make_the_same_table_without_their_folders(runs, tmp_path, ca
         report.main([str(p) for p in saved.values()])
 
 
-def fake_run(path, seed, val, config=None, routing=None, commit='0123456789abcdef'):
+def fake_run(path, seed, val, config=None, routing=None, commit='0123456789abcdef', cpu=None):
     """An out_dir as train.py writes it, with hand-picked numbers: the provenance record, eval records
     {step: val_loss}, a train record after every eval (tok/s 1000 * step, memory 1 GiB) and a checkpoint (of the
     older single-file format, ckpt.pt) that holds the settings only."""
     path.mkdir(parents=True)
     cfg = {**train_defaults(), **(config or {}), 'seed': seed, 'out_dir': str(path), 'device': 'cpu'}
-    records = [dict(step=0, provenance=dict(commit=commit, dirty=False))]
+    records = [dict(step=0, provenance=dict(commit=commit, dirty=False, **({'cpu': cpu} if cpu else {})))]
     for step, loss in val.items():
         records.append(dict(step=step, val_loss=loss, val_ppl=math.exp(loss), val_tokens=100))
         records.append(dict(step=step + 1, loss=loss, tok_per_s=1000.0 * (step + 1), mem_gib=1.0, routing=routing or {}))
@@ -215,6 +215,22 @@ def test_the_commit_of_each_group_and_a_warning_when_they_differ(tmp_path, capsy
     assert (f"**Warning:** the runs of delta_block come from different commits: {tmp_path}/d1: 0123456789; "
             f"{tmp_path}/d2: fedcba9876") in printed
     assert printed.count('**Warning:**') == 1
+
+
+def test_the_machines_and_a_warning_for_each_pair_across_machines(tmp_path, capsys):
+    # seed 0: attnres on another CPU than its standard; seed 1: all on one; a 4-layer standard of seed 1 on a third
+    # CPU (the 12-layer one's shallower pair); a run from before the CPU was recorded pairs with anything
+    runs = [('standard', 12, 0, 'A'), ('attnres', 12, 0, 'B'), ('standard', 12, 1, 'A'), ('attnres', 12, 1, 'A'),
+            ('standard', 4, 1, 'C'), ('attnres', 12, 2, None), ('standard', 12, 2, 'A')]
+    dirs = [fake_run(tmp_path / f'{m}{L}_{s}', s, {0: 5.0, 100: 2.0}, dict(residual=m, n_layer=L), cpu=cpu)
+            for m, L, s, cpu in runs]
+    report.main(dirs + ['--routing=log'])
+    printed = capsys.readouterr().out
+    assert 'Machines (from the logs): A: 4 runs; B: 1 run; C: 1 run; not recorded: 1 run.' in printed
+    assert printed.count('**Warning:**') == 2
+    assert ('**Warning:** seed 0 of attnres 12×768 ran on B and its pair in standard 12×768 on A: runs on different '
+            'CPUs are not bit-equal') in printed
+    assert '**Warning:** seed 1 of standard 12×768 ran on A and its pair in standard 4×768 on C' in printed
 
 
 def test_paired_differences_against_standard_seed_by_seed(tmp_path, capsys):
