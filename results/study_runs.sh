@@ -3,7 +3,9 @@
 # output in OUT_DIR/train.txt. A finished run is saved as results/runs/<parent>/<run>.json (report.py --save_runs:
 # settings, log, measured routing, no weights), from which the committed tables are made, so the results outlive
 # the run folders and a study can go on in a later sitting. A saved run is skipped (RERUN_SAVED=1 trains it again),
-# a stopped one continues from its last checkpoint (--init_from=auto): a script can be stopped and restarted.
+# a stopped one continues from its last checkpoint (--init_from=resume where OUT_DIR has one; otherwise the run starts
+# as its settings say: from scratch, or from a pretrained model in the conversion part): a script can be stopped and
+# restarted.
 JOBS=${JOBS:-2}
 export OMP_NUM_THREADS=1
 [ -f data/demo/meta.json ] || python prepare_fineweb.py --demo
@@ -15,7 +17,8 @@ train_one() {
     if [ ! -f "$dir/done" ]; then
         # the run's wall time (one thread), summed over the invocations that ended: OUT_DIR/seconds
         local start=$SECONDS status=0
-        python train.py "$@" --out_dir="$dir" --init_from=auto >> "$dir/train.txt" 2>&1 || status=$?
+        local resume=(); [ -e "$dir/ckpt" ] && resume=(--init_from=resume)
+        python train.py "$@" --out_dir="$dir" "${resume[@]}" >> "$dir/train.txt" 2>&1 || status=$?
         echo $(( $(cat "$dir/seconds" 2>/dev/null || echo 0) + SECONDS - start )) > "$dir/seconds"
         [ $status = 0 ] || return $status
         touch "$dir/done"
