@@ -351,8 +351,8 @@ def machine_lines(runs, groups):
                 continue
             for seed, mine, theirs in cross_machine(g, ref):
                 lines += ['', f"**Warning:** seed {seed} of {g['label']} ran on {', '.join(sorted(mine))} and its "
-                          f"pair in {ref['label']} on {', '.join(sorted(theirs))}: runs on different CPUs are not "
-                          f"bit-equal, so this difference is partly the machines'."]
+                          f"pair in {ref['label']} on {', '.join(sorted(theirs))}: runs on different machines are "
+                          f"not bit-equal, so this difference is partly the machines'."]
     return lines
 
 

@@ -229,7 +229,7 @@ def test_the_machines_and_a_warning_for_each_pair_across_machines(tmp_path, caps
     assert 'Machines (from the logs): A: 4 runs; B: 1 run; C: 1 run; not recorded: 1 run.' in printed
     assert printed.count('**Warning:**') == 2
     assert ('**Warning:** seed 0 of attnres 12×768 ran on B and its pair in standard 12×768 on A: runs on different '
-            'CPUs are not bit-equal') in printed
+            'machines are not bit-equal') in printed
     assert '**Warning:** seed 1 of standard 12×768 ran on A and its pair in standard 4×768 on C' in printed
 
 
