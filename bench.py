@@ -33,8 +33,8 @@ model runs for the sublayer modes) read and write per token.
 
 import atexit
 import contextlib
+import itertools
 import json as jsonlib
-import math
 import os
 import shutil
 import statistics
@@ -45,7 +45,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
+from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops, group_passes, two_phase_groups
 
 # -----------------------------------------------------------------------------
 # settings; defaults are the issue's CPU target shape (d=256, L=12, T=256, batch 4)
@@ -94,6 +94,7 @@ with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sy
 #                 before it 10n + 5G (phase 1, one pass for all G sites: stack and product, their backward, the
 #                 sources' gradients); per site merging the e sources completed since: 10 + 6e (phase 2, h rebuilt);
 #                 per source 10 (its keys, as above); a first site that sees E alone mixes alone (keys + mix). The
+#                 groups are model.two_phase_groups (the sizes that minimise this sum: model.group_passes). The
 #                 block modes keep keys + mix (a handful of sources per site): their two-phase column is keys + mix.
 TRAFFIC = {
     'route':      dict(site=lambda N: 19 * N + 3, source=0),
@@ -105,15 +106,15 @@ TRAFFIC = {
 def routing_traffic(sites, d, bytes_per_element, two_phase):
     """{schedule: bytes per token} of the routing for route(), route_fast, keys + mix and two-phase, given
     GPT.routing_sites() (each site's completed sources n, and o = 1 if the open block is a source too); two_phase:
-    whether the mode routes in two phases (model.Routing: the sublayer modes), in groups of round(sqrt(sites)) sites."""
+    whether the mode routes in two phases (model.Routing: the sublayer modes), in groups of model.two_phase_groups."""
     n_sources = sites[-1][0]
     passes = {name: sum(t['site'](n + o) for n, o in sites) + t['source'] * n_sources for name, t in TRAFFIC.items()}
     if two_phase:
         alone = [n for n, o in sites if n + o == 1]     # sees E only: keys + mix
-        rest, G = sites[len(alone):], max(1, round(math.sqrt(len(sites))))
+        rest = [n for n, _ in sites[len(alone):]]
+        starts = [0, *itertools.accumulate(two_phase_groups(rest))]
         passes['two_phase'] = (sum(TRAFFIC['keys_mix']['site'](n) for n in alone) + 10 * n_sources
-                               + sum(10 * grp[0][0] + 5 * len(grp) + sum(10 + 6 * (n - grp[0][0]) for n, _ in grp)
-                                     for grp in (rest[i:i + G] for i in range(0, len(rest), G))))
+                               + sum(group_passes(rest[a:b]) for a, b in zip(starts, starts[1:])))
     else:
         passes['two_phase'] = passes['keys_mix']
     return {name: p * d * bytes_per_element for name, p in passes.items()}

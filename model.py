@@ -158,7 +158,7 @@ def mix(logits, sources):
 
 
 # Two-phase routing (the sublayer modes: a site per sublayer, every earlier sublayer's output a source, O(L^2) reads
-# in the mix above). The sites come in groups of about sqrt(sites). Phase 1, at a group's first site: the sources
+# in the mix above). The sites come in groups (chosen below). Phase 1, at a group's first site: the sources
 # completed so far, mixed for every site of the group in one pass, o_k = sum_i beta_ki s_i with beta_k = softmax of
 # their logits at site k, and lse_k = logsumexp of those logits. Phase 2, at each site k: the few sources completed
 # since join in, as if o_k were one more source with logit lse_k,
@@ -173,6 +173,31 @@ def mix(logits, sources):
 # "gradient" of lse_k and c * dL/dx as that of o_k (without the gate), and phase 1 finishes the logits' gradients
 # from the products it computes anyway (docs/routing.md). Saved: the sources (once), the group's first h, the
 # weights; no per-site copy.
+
+# The groups: a group of G sites whose first site mixes n sources costs, per token of a training step, about
+# 10n + 5G passes over a B x T x d tensor for phase 1 (forward and backward) and 10 + 6e for phase 2 at each site
+# that merges e sources (bench.py's traffic model, derived op by op in docs/routing.md). Large groups re-read the
+# sources less often, small ones merge fewer: the groups that minimise the sum grow with depth, about sqrt(10n/3)
+# sites (Delta AttnRes at 36 layers: 3, 5, 6, 8, 10, 11, 13, 15), and cost 9% less than groups of a constant
+# sqrt(sites).
+
+def group_passes(n):
+    """Modelled traffic of one group of two-phase sites, n = the sources each of them mixes, in order."""
+    return 10 * n[0] + 5 * len(n) + sum(10 + 6 * (m - n[0]) for m in n)
+
+
+def two_phase_groups(n):
+    """The sizes of the groups, in order, that minimise the summed group_passes of sites mixing n[0], n[1], ...
+    sources (dynamic programming over where the last group starts)."""
+    best, start = [0] + [math.inf] * len(n), [0] * (len(n) + 1)    # the cheapest schedule of the first b sites
+    for b in range(1, len(n) + 1):
+        best[b], start[b] = min((best[a] + group_passes(n[a:b]), a) for a in range(b))
+    sizes, b = [], len(n)
+    while b:
+        sizes.append(b - start[b])
+        b = start[b]
+    return sizes[::-1]
+
 
 def _promoted(tensors):
     return functools.reduce(torch.promote_types, [t.dtype for t in tensors])
@@ -265,17 +290,18 @@ class Routing:
         sources    the completed sources, in order ([E, v_0, v_1, ...] or [E, b_1, b_2, ...])
         block      the block modes' open block: the running sum of its sublayer outputs, or None
         keys       fast path: [(first site, keys(source))] of each completed source, its logits at every later site
-        phase1     two-phase routing: (first site, number of sources, h) of the open group and its phase-1 result
+        phase1     two-phase routing: (first site, size, number of sources, h) of the open group, its phase-1 result
     and four verbs: complete(s) adds a source, add_to_block(v) / close_block() keep the open block,
     route(name, proj, norm, h, gate) routes the next site and returns its sublayer input.
     sites: [(proj, norm, gate)] of every routing site in forward order (their u = w * g, for the keys); fast=False
-    routes with the plain route() instead; two_phase (the sublayer modes): groups of about sqrt(sites) sites."""
+    routes with the plain route() instead; groups (the sublayer modes): route in two phases, in groups of these
+    sizes (two_phase_groups) over the sites that mix more than one source."""
 
-    def __init__(self, sites, eps, fast=True, two_phase=False, stats=None):
+    def __init__(self, sites, eps, fast=True, groups=None, stats=None):
         self.sources, self.block, self.keys, self.next_site, self.phase1 = [], None, [], 0, None
         self.U = torch.stack([p.weight[0] * n.weight for p, n, _ in sites]) if fast and sites else None
         self.gates = [g for _, _, g in sites]
-        self.group = max(1, round(math.sqrt(len(sites)))) if fast and two_phase and sites else None
+        self.groups = iter(groups) if fast and groups else None
         self.eps, self.fast, self.stats = eps, fast, stats     # stats: a dict to fill with routing_stats, or None
 
     def complete(self, s):
@@ -294,7 +320,7 @@ class Routing:
     def route(self, name, proj, norm, h=None, gate=None):
         """The next site's sublayer input: the routed mix (replace: h=None), or h + gate * mix (add; gate None: 1)."""
         k, self.next_site = self.next_site, self.next_site + 1
-        if self.group and len(self.sources) > 1:    # (a site that sees E only has nothing to share: it mixes alone)
+        if self.groups is not None and len(self.sources) > 1:   # (a site that sees E only has nothing to share)
             x, alpha = self.two_phase(k, h, gate), None
         else:
             srcs = self.sources + ([] if self.block is None else [self.block])
@@ -318,8 +344,8 @@ class Routing:
     def two_phase(self, k, h, gate):
         # the Functions where there is something to differentiate; else (evaluation, sampling) the math, saving nothing
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*self.sources, self.U, h, gate))
-        if self.phase1 is None or k - self.phase1[0] == self.group:  # phase 1, at the group's first site
-            G = min(self.group, len(self.U) - k)
+        if self.phase1 is None or k == self.phase1[0] + self.phase1[1]:     # phase 1, at a group's first site
+            G = next(self.groups)
             Z = torch.stack([z[..., k - first:k - first + G] for first, z in self.keys], -1)     # (B, T, G, N)
             gates = None if gate is None else torch.cat(self.gates[k:k + G])
             if grad:
@@ -328,8 +354,8 @@ class Routing:
             else:
                 o, _, lse = _prefix(Z, self.sources)
                 o, lse = o.unbind(-2), lse.unbind(-1)
-            self.phase1 = (k, len(self.sources), h, o, lse)
-        first, n, h0, o, lse = self.phase1
+            self.phase1 = (k, G, len(self.sources), h, o, lse)
+        first, _, n, h0, o, lse = self.phase1
         inner = self.sources[n:]                                    # completed inside the group
         z = (torch.stack([zi[..., k - f] for f, zi in self.keys[n:]], -1) if inner
              else lse[0].new_zeros(*lse[0].shape, 0))
@@ -474,6 +500,9 @@ class GPT(nn.Module):
             # AttnRes replaces the residual stream, so the final norm also reads a routed mix
             self.final_res_proj = nn.Linear(config.n_embd, 1, bias=False)
             self.final_res_norm = nn.RMSNorm(config.n_embd, eps=config.rms_norm_eps)
+        # two-phase routing (the sublayer modes): the sizes of its groups of sites, over those that mix more than E
+        self.routing_groups = (two_phase_groups([n for n, _ in self.routing_sites() if n > 1])
+                               if self.granularity == 'sublayer' else None)
         cos, sin = rope_tables(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer('rope_cos', cos, persistent=False)
         self.register_buffer('rope_sin', sin, persistent=False)
@@ -516,7 +545,7 @@ class GPT(nn.Module):
         E = self.embed_tokens(idx)
         h = E                   # the ordinary residual stream (standard and Delta modes)
         routing = Routing(self.routing_parameters(), self.config.rms_norm_eps, self.fast_routing,
-                          self.granularity == 'sublayer', site_stats if stats else None)
+                          self.routing_groups, site_stats if stats else None)
         if not official:
             routing.complete(E)
         for i, layer in enumerate(self.layers):
