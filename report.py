@@ -6,6 +6,7 @@ Compare train.py runs: one markdown table of the modes, and with --out the figur
     python report.py out/convert_* --recover_pct=1        # runs fine-tuned from a checkpoint: + the conversion table
     python report.py out/study/L24/* --save_runs=results/runs   # + results/runs/L24/<run>.json, readable in their
     python report.py results/runs/L24/*.json                    # place once the run folders are gone
+    python report.py results/runs/*/*.json --out=results/study_all --no-figures    # table.md only
 
 Each RUN is a train.py out_dir: log.jsonl (the numbers and the commit) and ckpt (the settings, and the final
 weights for the routing measurement), or a run saved by --save_runs (the same without the weights, the routing
@@ -499,6 +500,8 @@ def main(argv=None):
     ap.add_argument('--save_runs', metavar='FOLDER', help="also save each run as FOLDER/<its folder's parent>/<its "
                     "folder>.json (settings, log, measured routing, wall time: no weights), readable here in its place")
     ap.add_argument('--out', help='folder to write table.md and the PNGs to (needs matplotlib)')
+    ap.add_argument('--figures', action=argparse.BooleanOptionalAction, default=True,
+                    help='with --out: the PNGs too (--no-figures: table.md only, e.g. the totals of a whole study)')
     ap.add_argument('--routing', choices=['val', 'log'], default='val',
                     help="val: forward passes of each final checkpoint on its dataset's val batches; "
                          "log: the last logged training step (no model or data needed)")
@@ -509,7 +512,7 @@ def main(argv=None):
                                                    "(default: the standard fine-tune's loss at step 0)")
     ap.add_argument('--recover_pct', type=float, default=1.0, help='conversion: "recovered" = within this %% of the baseline')
     args = ap.parse_args(argv)
-    if args.out:
+    if args.out and args.figures:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -595,6 +598,9 @@ def main(argv=None):
                   f"{platform.platform()} ({os.cpu_count()} CPUs{gpu}), torch {torch.__version__}, "
                   f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.")
         (out / 'table.md').write_text(header + '\n\n' + text + '\n')
+        if not args.figures:
+            print(f"wrote table.md to {out}", file=sys.stderr)
+            return
         written = ['table.md', 'val_loss.png']
         plot_val_loss(groups, out / 'val_loss.png', pretrained)
         if plot_paired(groups, out / 'paired.png'):

@@ -119,8 +119,10 @@ def test_saved_runs_make_the_same_table_without_their_folders(runs, tmp_path, ca
                [{f: v for f, v in r.items() if f != 'routing'} for r in log]
         with_routing = [r['routing'] for r in run['records'] if r.get('routing')]
         assert with_routing == ([[r for r in log if r.get('routing')][-1]['routing']] if routed else [])
-    report.main([str(p) for p in saved.values()] + ['--batches=3'])
+    report.main([str(p) for p in saved.values()] + ['--batches=3', f'--out={tmp_path / "table"}', '--no-figures'])
     assert capsys.readouterr().out == from_dirs        # the same table: nothing read from the folders
+    assert [p.name for p in (tmp_path / 'table').iterdir()] == ['table.md']     # --no-figures: no PNGs
+    assert (tmp_path / 'table' / 'table.md').read_text().split('\n\n', 1)[1].strip() == from_dirs.strip()
     with pytest.raises(SystemExit, match='measured on 3 val batches, not --batches=8'):
         report.main([str(p) for p in saved.values()])
 
