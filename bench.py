@@ -71,7 +71,7 @@ weight_decay = 0.1
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'  # autocast dtype; 'float32' = none
 compile = torch.cuda.is_available()     # torch.compile each model
-compile_regional = False    # with compile: each layer's attention and MLP, the routing eager (train.py's compile_regional)
+compile_regional = False    # with compile: each layer's attention and MLP, and the routing math apart (train.py's compile_regional)
 cold_compile = True         # with compile: inductor's on-disk caches off, so '1st step s' is a cold compile
 peak_flops = 0.0            # device peak FLOP/s for MFU; 0 = look the device up in model.PEAK_FLOPS
 seed = 1337

@@ -6,7 +6,8 @@ Delta Block, arXiv 2605.18855). One file, read top to bottom:
 1. the routing rule (`route`), the papers' core, in a few lines; `keys` and `mix`, the same numbers
    with each source's logits computed once and activation memory linear in depth; two-phase routing
    (`_Prefix`, `_Merge`), the same numbers again for the sublayer modes with each source read once per
-   group of sites; and `Routing`, the state a forward pass routes with (what GPT.forward uses);
+   group of sites; `Routing`, the state a forward pass routes with (what GPT.forward uses); and `RoutingOps`, which
+   compiles that math apart for compile_regional;
 2. the Qwen3 building blocks (RoPE, grouped-query attention with q/k norms, SwiGLU MLP);
 3. `GPT.forward`, where the five modes are two switches on one loop:
       which sources are routed   (every sublayer's output, or per-block sums), and
@@ -116,14 +117,27 @@ def rms_inv(s, eps):
     return torch.rsqrt(torch.linalg.vector_norm(s, dim=-1, dtype=torch.float32).square() / s.shape[-1] + eps)
 
 
-def keys(s, U, eps):
+def keys(s, U, eps, ops=None):
     """(B, T, sites) fp32: source s's logit at each site whose u = w * g is a row of U."""
+    ops = ops or EAGER
     r = rms_inv(s, eps)
     if torch.is_grad_enabled() and (s.requires_grad or U.requires_grad):
-        return _Keys.apply(s, U, r)
+        return _Keys.apply(s, U, r, ops)
     # nothing to differentiate (evaluation, sampling): the same math, saving nothing
     with torch.autocast(s.device.type, enabled=False):
-        return (s.float() @ U.float().T) * r.unsqueeze(-1)
+        return ops.keys(s, U, r)
+
+
+def _keys(s, U, r):
+    return (s.float() @ U.float().T) * r.unsqueeze(-1)                      # (B, T, sites)
+
+
+def _keys_grad(s, U, r, g):
+    dots = s.float() @ U.float().T                                          # recomputed: one read of s
+    g_dots = g * r.unsqueeze(-1)
+    g_s = (g_dots @ U.float()).to(s.dtype)
+    g_U = (g_dots.reshape(-1, g.shape[-1]).T @ s.reshape(-1, s.shape[-1]).float()).to(U.dtype)
+    return g_s, g_U, (g * dots).sum(-1)
 
 
 class _Keys(torch.autograd.Function):
@@ -131,21 +145,16 @@ class _Keys(torch.autograd.Function):
     # plain ops would save an fp32 copy of a BF16 source, and the sources are most of what routing keeps.
 
     @staticmethod
-    def forward(ctx, s, U, r):
+    def forward(ctx, s, U, r, ops):
         ctx.save_for_backward(s, U, r)
+        ctx.ops = ops
         with torch.autocast(s.device.type, enabled=False):
-            return (s.float() @ U.float().T) * r.unsqueeze(-1)              # (B, T, sites)
+            return ops.keys(s, U, r)
 
     @staticmethod
     def backward(ctx, g):
-        s, U, r = ctx.saved_tensors
         with torch.autocast(g.device.type, enabled=False):
-            dots = s.float() @ U.float().T                                  # recomputed: one read of s
-            g_dots = g * r.unsqueeze(-1)
-            g_s = (g_dots @ U.float()).to(s.dtype)
-            g_U = (g_dots.reshape(-1, g.shape[-1]).T @ s.reshape(-1, s.shape[-1]).float()).to(U.dtype)
-            g_r = (g * dots).sum(-1)
-        return g_s, g_U, g_r
+            return *ctx.ops.keys_grad(*ctx.saved_tensors, g), None
 
 
 def mix(logits, sources):
@@ -208,14 +217,24 @@ def _stack(sources):
     return torch.stack([s.to(dtype) for s in sources], -2)                          # (B, T, N, d)
 
 
-def _prefix(Z, sources):
-    """Phase 1: Z (B, T, G, N) fp32 logits of N sources at G sites -> o (B, T, G, d), beta, lse (B, T, G)."""
-    beta, S = Z.softmax(-1), _stack(sources)
+def _prefix(Z, S):
+    """Phase 1: Z (B, T, G, N) fp32 logits of N sources S (B, T, N, d) at G sites -> o (B, T, G, d), beta, lse (B, T, G)."""
+    beta = Z.softmax(-1)
     return beta.to(S.dtype) @ S, beta, Z.logsumexp(-1)
 
 
+def _prefix_grad(beta, gates, S, dO, lam):
+    """Phase 1 backward: dO (B, T, G, d) = c * dL/dx per site, lam (B, T, G) = -c * m per site -> dZ, dgates, dS."""
+    D = (dO @ S.transpose(-1, -2)).float()                                          # <s_i, c dL/dx>  (B, T, G, N)
+    g = 1 if gates is None else gates.float()[:, None]
+    dZ = beta * (g * D + lam.unsqueeze(-1))                                         # alpha_i (<s_i, dL/dout> - m)
+    dS = (beta * g).to(S.dtype).transpose(-1, -2) @ dO                              # (B, T, N, d)
+    return dZ, None if gates is None else (beta * D).sum((0, 1, 3)).to(gates.dtype), dS
+
+
 def _merge(o, lse, z, h, gate, inner):
-    """Phase 2: o, lse of the site; z (B, T, e) logits of the e sources completed since (inner) -> x, weights."""
+    """Phase 2: o, lse of the site; z (B, T, e) logits of the e sources completed since (inner); h the group's first
+    residual stream (None: replace) -> x, the weights (c, a_1..a_e)."""
     w = torch.cat([lse.unsqueeze(-1), z], -1).softmax(-1)                         # (c, a_1..a_e)
     out = w[..., :1] * o
     for j, s in enumerate(inner):
@@ -227,12 +246,27 @@ def _merge(o, lse, z, h, gate, inner):
     return h + (out if gate is None else gate * out), w
 
 
+def _merge_grad(x, w, h, gate, inner, gx):
+    """Phase 2 backward -> the gradients of o, lse, z, h, gate (this phase's part) and the inner sources."""
+    dot = lambda a, b: torch.linalg.vecdot(a.float(), b.float())
+    m = dot(x, gx) if h is None else dot(x - sum(inner, h), gx)   # m = <out, dL/dout>: replace, out = x; add, gate * out = x - h
+    gout = gx if gate is None else gate * gx
+    c, a = w[..., 0], w[..., 1:]
+    Dx = torch.stack([dot(s, gx) for s in inner], -1) if inner else torch.zeros_like(a)    # (B, T, e)
+    dz = a * ((Dx if gate is None else gate.float() * Dx) - m.unsqueeze(-1))
+    # h = (the group's first h) + the inner sources: dL/dx reaches them both ways in the additive modes
+    dinner = [(a[..., j:j + 1] * gout + (0 if h is None else gx)).to(s.dtype) for j, s in enumerate(inner)]
+    dgate = None if gate is None else (a * Dx).sum().reshape(gate.shape).to(gate.dtype)  # this phase's part
+    return c.unsqueeze(-1).to(gx.dtype) * gx, -c * m, dz, None if h is None else gx, dgate, *dinner
+
+
 class _Prefix(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, Z, gates, *sources):
+    def forward(ctx, Z, gates, ops, *sources):
         with torch.autocast(Z.device.type, enabled=False):
-            o, beta, lse = _prefix(Z, sources)
+            o, beta, lse = ops.prefix(Z, _stack(sources))
         ctx.save_for_backward(beta, gates, *sources)
+        ctx.ops = ops
         return (*o.unbind(-2), *lse.unbind(-1))
 
     @staticmethod
@@ -241,39 +275,54 @@ class _Prefix(torch.autograd.Function):
         G = beta.shape[-2]
         with torch.autocast(beta.device.type, enabled=False):
             S = _stack(sources)
-            dO = torch.stack(grads[:G], -2).to(S.dtype)                               # c * dL/dx per site (B, T, G, d)
-            lam = torch.stack(grads[G:], -1)                                          # -c * m per site (B, T, G)
-            D = (dO @ S.transpose(-1, -2)).float()                                    # <s_i, c dL/dx>  (B, T, G, N)
-            g = 1 if gates is None else gates.float()[:, None]
-            dZ = beta * (g * D + lam.unsqueeze(-1))                                   # alpha_i (<s_i, dL/dout> - m)
-            dS = (beta * g).to(S.dtype).transpose(-1, -2) @ dO                        # (B, T, N, d)
-            dgates = None if gates is None else (beta * D).sum((0, 1, 3)).to(gates.dtype)
-        return (dZ, dgates, *(d.to(s.dtype) for d, s in zip(dS.unbind(-2), sources)))
+            dO, lam = torch.stack(grads[:G], -2).to(S.dtype), torch.stack(grads[G:], -1)
+            dZ, dgates, dS = ctx.ops.prefix_grad(beta, gates, S, dO, lam)
+        return (dZ, dgates, None, *(d.to(s.dtype) for d, s in zip(dS.unbind(-2), sources)))
 
 
 class _Merge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, o, lse, z, h, gate, *inner):
+    def forward(ctx, o, lse, z, h, gate, ops, *inner):
         with torch.autocast(o.device.type, enabled=False):
-            x, w = _merge(o, lse, z, h, gate, inner)
+            x, w = ops.merge(o, lse, z, h, gate, inner)
         ctx.save_for_backward(x, w, h, gate, *inner)
+        ctx.ops = ops
         return x
 
     @staticmethod
     def backward(ctx, gx):
         x, w, h, gate, *inner = ctx.saved_tensors
-        dot = lambda a, b: torch.linalg.vecdot(a.float(), b.float())
         with torch.autocast(gx.device.type, enabled=False):
-            # m = <out, dL/dout>: replace, out = x; add, gate * out = x - h
-            m = dot(x, gx) if h is None else dot(x - sum(inner, h), gx)
-            gout = gx if gate is None else gate * gx
-            c, a = w[..., 0], w[..., 1:]
-            Dx = torch.stack([dot(s, gx) for s in inner], -1) if inner else torch.zeros_like(a)    # (B, T, e)
-            dz = a * ((Dx if gate is None else gate.float() * Dx) - m.unsqueeze(-1))
-            # h = (the group's first h) + the inner sources: dL/dx reaches them both ways in the additive modes
-            dinner = [(a[..., j:j + 1] * gout + (0 if h is None else gx)).to(s.dtype) for j, s in enumerate(inner)]
-            dgate = None if gate is None else (a * Dx).sum().reshape(gate.shape).to(gate.dtype)  # this phase's part
-        return (c.unsqueeze(-1).to(gx.dtype) * gx, -c * m, dz, None if h is None else gx, dgate, *dinner)
+            do, dlse, dz, dh, dgate, *dinner = ctx.ops.merge_grad(x, w, h, gate, inner, gx)
+        return do, dlse, dz, dh, dgate, None, *dinner
+
+
+class RoutingOps:
+    """The routing's tensor math, which the Functions above and Routing call: as written (EAGER, and inside a model
+    compiled whole, where it fuses with its neighbours), or each function compiled on its own with dynamic shapes
+    (GPT.compile_regional): then the numbers of sources and sites are symbols in the graphs, not constants, and
+    however deep the model its routing sites share a few graphs (one per number of sources a site merges in phase 2
+    or mixes, which grows with the largest group: about sqrt(depth), not depth^2)."""
+
+    def __init__(self, compiled=False):
+        # Inside the Functions the math needs no autograd: its inputs go in detached, so that training and evaluation
+        # run one graph (dynamo would compile another for inputs that require grad). mix is differentiated through.
+        wrap = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compiled else (lambda f: f)
+        self.mix = wrap(mix)
+        for name, f in (('keys', _keys), ('keys_grad', _keys_grad), ('prefix', _prefix),
+                        ('prefix_grad', _prefix_grad), ('merge', _merge), ('merge_grad', _merge_grad)):
+            setattr(self, name, functools.partial(_detached, wrap(f)) if compiled else f)
+
+
+def _detached(f, *args):
+    def detach(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(map(detach, a))
+        return a.detach() if isinstance(a, torch.Tensor) else a
+    return f(*map(detach, args))
+
+
+EAGER = RoutingOps()
 
 
 def routing_stats(alpha):
@@ -297,7 +346,8 @@ class Routing:
     routes with the plain route() instead; groups (the sublayer modes): route in two phases, in groups of these
     sizes (two_phase_groups) over the sites that mix more than one source."""
 
-    def __init__(self, sites, eps, fast=True, groups=None, stats=None):
+    def __init__(self, sites, eps, fast=True, groups=None, stats=None, ops=EAGER):
+        self.ops = ops          # the routing math: EAGER, or compiled once for every site (GPT.compile_regional)
         self.sources, self.block, self.keys, self.next_site, self.phase1 = [], None, [], 0, None
         self.U = torch.stack([p.weight[0] * n.weight for p, n, _ in sites]) if fast and sites else None
         self.gates = [g for _, _, g in sites]
@@ -307,7 +357,8 @@ class Routing:
     def complete(self, s):
         self.sources.append(s)
         if self.U is not None and self.next_site < len(self.U):     # (a source no later site reads needs no keys)
-            self.keys.append((self.next_site, keys(s, self.U[self.next_site:], self.eps)))
+            # (contiguous: a slice's offset would be one more shape for the compiled ops to specialise on)
+            self.keys.append((self.next_site, keys(s, self.U[self.next_site:].contiguous(), self.eps, self.ops)))
 
     def add_to_block(self, v):
         self.block = v if self.block is None else self.block + v
@@ -327,8 +378,8 @@ class Routing:
             if self.fast:
                 logits = [z[..., k - first] for first, z in self.keys]
                 if self.block is not None:      # the open block changes at every site: its logit here only
-                    logits.append(keys(self.block, self.U[k:k + 1], self.eps)[..., 0])
-                out, alpha = mix(torch.stack(logits), srcs)
+                    logits.append(keys(self.block, self.U[k:k + 1], self.eps, self.ops)[..., 0])
+                out, alpha = self.ops.mix(torch.stack(logits), srcs)
                 out = out.to(torch.get_autocast_dtype(out.device.type) if torch.is_autocast_enabled(out.device.type)
                              else _promoted(srcs))                                          # route()'s dtype
             else:
@@ -349,18 +400,19 @@ class Routing:
             Z = torch.stack([z[..., k - first:k - first + G] for first, z in self.keys], -1)     # (B, T, G, N)
             gates = None if gate is None else torch.cat(self.gates[k:k + G])
             if grad:
-                res = _Prefix.apply(Z, gates, *self.sources)
+                res = _Prefix.apply(Z, gates, self.ops, *self.sources)
                 o, lse = res[:G], res[G:]
             else:
-                o, _, lse = _prefix(Z, self.sources)
+                o, _, lse = self.ops.prefix(Z, _stack(self.sources))
                 o, lse = o.unbind(-2), lse.unbind(-1)
             self.phase1 = (k, G, len(self.sources), h, o, lse)
         first, _, n, h0, o, lse = self.phase1
         inner = self.sources[n:]                                    # completed inside the group
         z = (torch.stack([zi[..., k - f] for f, zi in self.keys[n:]], -1) if inner
              else lse[0].new_zeros(*lse[0].shape, 0))
-        args = (o[k - first], lse[k - first], z, h0, gate)
-        return _Merge.apply(*args, *inner) if grad else _merge(*args, inner)[0]
+        if grad:
+            return _Merge.apply(o[k - first], lse[k - first], z, h0, gate, self.ops, *inner)
+        return self.ops.merge(o[k - first], lse[k - first], z, h0, gate, tuple(inner))[0]   # (a tuple, as in _Merge)
 
 
 # -----------------------------------------------------------------------------
@@ -485,6 +537,7 @@ class Layer(nn.Module):
 
 class GPT(nn.Module):
     fast_routing = True     # False: the plain route() at every site (the specification; bench.py's naive baseline)
+    routing_ops = EAGER     # the routing math; compile_regional compiles it (RoutingOps)
 
     def __init__(self, config):
         super().__init__()
@@ -545,7 +598,7 @@ class GPT(nn.Module):
         E = self.embed_tokens(idx)
         h = E                   # the ordinary residual stream (standard and Delta modes)
         routing = Routing(self.routing_parameters(), self.config.rms_norm_eps, self.fast_routing,
-                          self.routing_groups, site_stats if stats else None)
+                          self.routing_groups, site_stats if stats else None, self.routing_ops)
         if not official:
             routing.complete(E)
         for i, layer in enumerate(self.layers):
@@ -602,10 +655,16 @@ class GPT(nn.Module):
 
     def compile_regional(self):
         """torch.compile each layer's attention and MLP, not the whole forward: one graph for all attention units and
-        one for all MLPs, however deep the model; the routing between them runs eagerly (train.py, bench.py)."""
+        one for all MLPs, however deep the model; and the routing math (RoutingOps) on its own, with dynamic shapes, so
+        that the routing sites share a few graphs too. The glue between them runs eagerly (train.py, bench.py)."""
         for layer in self.layers:
             for unit in (layer.self_attn, layer.mlp):
                 unit.compile(fullgraph=True)
+        self.routing_ops = RoutingOps(compiled=True)
+        # the routing's graphs: one per number of sources merged (up to the largest group) or mixed (with and without
+        # gradients); dynamo's default limit (8 per function) would send the rest to eager
+        limit = 2 * (max(self.routing_groups or [1]) + self.config.n_blocks + 2)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
 
     def routing_parameters(self):
         """[(pseudo-query, key norm, gate or None)] of every routing site, in forward order."""

@@ -198,6 +198,54 @@ def test_compiled_equals_eager_one_graph(mode, backend, device):
         assert (p.grad - grads_e[name]).abs().max() <= 1e-3 * grads_e[name].abs().max().clamp_min(1e-12), name
 
 
+# compile_regional: the layers' units and the routing math compiled apart, the routing's with dynamic shapes, so that
+# every routing site runs one of a few graphs: compile time that does not grow with the square of the depth
+REGIONAL_BACKENDS = ['aot_eager', pytest.param('inductor', marks=pytest.mark.skipif(
+    not os.environ.get('RUN_SLOW'), reason='inductor: minutes on 2 CPU cores (RUN_SLOW=1)'))]
+
+
+@pytest.mark.parametrize('backend', REGIONAL_BACKENDS)
+@pytest.mark.parametrize('mode', ['delta_attnres+gate', 'delta_block+official+gate'])   # replace: test_train.py
+def test_regional_compile_equals_route_and_its_graphs_do_not_grow_with_depth(mode, backend, monkeypatch):
+    import functools
+    import torch._dynamo
+    residual, *extra = mode.split('+')
+    monkeypatch.setattr(torch, 'compile', functools.partial(torch.compile, backend=backend))
+    graphs = {}
+    for L in (2, 4):
+        torch._dynamo.reset()
+        model, idx = model_and_tokens(residual, n_layer=L, n_blocks=2, variant='official' if 'official' in extra else 'paper',
+                                      res_gate='gate' in extra)
+        with torch.no_grad():
+            for i, (_, _, gate) in enumerate(model.routing_parameters() if 'gate' in extra else []):
+                gate.fill_(0.5 + 0.1 * i)
+        logits_n, grads_n = loss_and_grads(model, idx, fast=False)         # route(), eagerly: the specification
+        with torch.no_grad():
+            val_n, _ = model(idx)
+        model.compile_regional()
+        torch._dynamo.utils.counters.clear()
+        for _ in range(2):                                                  # the second step: no recompilation
+            logits_c, grads_c = loss_and_grads(model, idx, fast=True)
+        with torch.no_grad():                                               # evaluation
+            val_c, _ = model(idx)
+        c = torch._dynamo.utils.counters
+        assert not c['graph_break'] and not c['recompile_limit'], dict(c)
+        graphs[L] = c['stats']['unique_graphs']
+        for a, b in ((logits_c, logits_n), (val_c, val_n)):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+        gates = max((g.abs().max() for n, g in grads_n.items() if n.endswith('res_gate')), default=None)
+        for name in grads_n:    # (a gate's gradient cancels: scaled as in test_model_fast_equals_naive)
+            scale = gates if name.endswith('res_gate') else grads_n[name].abs().max().clamp_min(1e-12)
+            assert (grads_c[name] - grads_n[name]).abs().max() <= 1e-4 * scale, name
+        if L == 2:
+            small = model.routing_groups
+    # the block modes: the same graphs at any depth; the sublayer modes: phase 2 has one graph per number of sources a
+    # site merges (and its backward one), so theirs grow with the largest group (about sqrt(depth)), no faster (give or
+    # take the sizes that dynamic shapes specialise on: 0 and 1)
+    growth = 0 if small is None else 2 * (max(model.routing_groups) - max(small)) + 4
+    assert graphs[4] <= graphs[2] + growth, (graphs, small, model.routing_groups)
+
+
 # Evaluation, sampling and any inference run the compiled model without gradients. There dynamo
 # takes another path through autograd.Function than in training (it calls forward() itself), which
 # once crashed every compiled run at its step-0 evaluation while the training-step test above passed.

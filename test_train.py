@@ -286,8 +286,7 @@ def test_fsdp_compiled_with_res_gate_matches_one_process(corpus, tmp_path, backe
     assert '2 process(es) x 2 micro-batches' in p.stdout and '(FSDP2, activation checkpointing)' in p.stdout
     for rank in (0, 1):
         c = counters(tmp_path / 'fsdp', rank)
-        # attention and MLP, with and without gradients (training, evaluation): 4 graphs in a 2-layer model
-        assert c['stats']['unique_graphs'] == 4, c['stats']
+        # attention and MLP, with and without gradients (training, evaluation), and the routing's graphs (test_bench.py)
         assert not c.get('graph_break') and not c.get('recompile_limit'), c
     fsdp = records(tmp_path / 'fsdp')
     for step, loss in losses(single).items():
@@ -328,20 +327,20 @@ def test_compiled_training_evaluation_and_resume_equal_eager(corpus, tmp_path, b
 
 @pytest.mark.parametrize('backend', ['aot_eager', pytest.param('inductor', marks=SLOW)])
 def test_regional_compile_equals_eager(corpus, tmp_path, backend):
-    # compile_regional: each layer's attention and MLP compiled, one graph for all layers (with and without
-    # gradients: 4), so that compile time does not grow with depth; the routing runs eagerly between them
+    # compile_regional: each layer's attention and MLP compiled, one graph for all layers, and the routing math
+    # compiled apart with dynamic shapes, so that compile time does not grow with the square of the depth
     args = ['--max_iters=3', '--lr_decay_iters=3', '--eval_interval=3', '--log_interval=1', '--n_layer=3']
     runs = []
-    for mode in ('delta_attnres', 'attnres'):
+    for mode in ('full_attnres', 'attnres'):
         runs += [(tmp_path / mode / 'eager', f'--residual={mode}', *args, '--compile=False'),
                  (tmp_path / mode / 'regional', f'--residual={mode}', *args, '--compile=True', '--compile_regional=True')]
     train_in_one_process(corpus, runs, backend)
-    for mode in ('delta_attnres', 'attnres'):
+    for mode in ('full_attnres', 'attnres'):
         eager, regional = records(tmp_path / mode / 'eager'), records(tmp_path / mode / 'regional')
         assert losses(regional) == pytest.approx(losses(eager), rel=1e-4) and len(losses(eager)) == 3
         assert val_losses(regional) == pytest.approx(val_losses(eager), rel=1e-4)
-        c = counters(tmp_path / mode / 'regional')
-        assert c['stats']['unique_graphs'] == 4 and not c.get('graph_break'), (mode, c)
+        c = counters(tmp_path / mode / 'regional')     # (how many graphs the routing takes: test_bench.py)
+        assert not c.get('graph_break') and not c.get('recompile_limit'), (mode, c)
 
 
 def test_settings_are_checked_before_any_work(corpus, tmp_path):

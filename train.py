@@ -97,8 +97,9 @@ device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # 'bfloat16' = autocast, fp32 master weights
 param_dtype = 'float32'     # 'bfloat16': the weights and AdamW state themselves in BF16, as the authors' code trains
 compile = torch.cuda.is_available()
-compile_regional = False    # compile each layer's attention and MLP (one graph each for all layers: compile time flat in
-                            # depth), the routing between them eager, instead of GPT.forward whole (always with fsdp)
+compile_regional = False    # compile each layer's attention and MLP (one graph each for all layers) and the routing math
+                            # (a few graphs for all sites): compile time nearly flat in depth, instead of GPT.forward
+                            # whole (always with fsdp)
 fsdp = False                # shard parameters, gradients and optimizer state (FSDP2) instead of DDP
 activation_checkpointing = False  # recompute attention and MLP activations in the backward pass
 peak_flops = 0.0            # per-GPU peak FLOP/s for MFU; 0 = the device's BF16 dense peak (model.PEAK_FLOPS)
@@ -246,9 +247,10 @@ if activation_checkpointing:
         layer.self_attn, layer.mlp = checkpoint_wrapper(layer.self_attn), checkpoint_wrapper(layer.mlp)
 if compile and (compile_regional or fsdp):
     # Each layer's attention and MLP compiled: one graph for all attention units and one for all MLPs, however deep
-    # the model, with the routing between them run eagerly. FSDP2 needs this: dynamo cannot trace its hooks, so the
-    # model compiled as a whole would break its graph at every sharded unit and recompile the code between units for
-    # each routing site's source count. Without FSDP it trades speed for compile time (docs/training.md).
+    # the model, and the routing math apart with dynamic shapes (a few graphs for all sites). FSDP2 needs this: dynamo
+    # cannot trace its hooks, so the model compiled as a whole would break its graph at every sharded unit and
+    # recompile the code between units for each routing site's source count. Without FSDP it trades speed for compile
+    # time (docs/training.md).
     model.compile_regional()
 if fsdp:
     from torch.distributed.fsdp import fully_shard
