@@ -200,13 +200,14 @@ def test_compiled_equals_eager_one_graph(mode, backend, device):
 
 # compile_regional: the layers' units and the routing math compiled apart, the routing's with dynamic shapes, so that
 # every routing site runs one of a few graphs: compile time that does not grow with the square of the depth
-REGIONAL_BACKENDS = ['aot_eager', pytest.param('inductor', marks=pytest.mark.skipif(
-    not os.environ.get('RUN_SLOW'), reason='inductor: minutes on 2 CPU cores (RUN_SLOW=1)'))]
+REGIONAL_BACKENDS = [('aot_eager', 'cpu'), pytest.param('inductor', 'cpu', marks=pytest.mark.skipif(
+    not os.environ.get('RUN_SLOW'), reason='inductor: minutes on 2 CPU cores (RUN_SLOW=1)')),
+    pytest.param('inductor', 'cuda', marks=ON_CUDA)]
 
 
-@pytest.mark.parametrize('backend', REGIONAL_BACKENDS)
+@pytest.mark.parametrize('backend,device', REGIONAL_BACKENDS)
 @pytest.mark.parametrize('mode', ['delta_attnres+gate', 'delta_block+official+gate'])   # replace: test_train.py
-def test_regional_compile_equals_route_and_its_graphs_do_not_grow_with_depth(mode, backend, monkeypatch):
+def test_regional_compile_equals_route_and_its_graphs_do_not_grow_with_depth(mode, backend, device, monkeypatch):
     import functools
     import torch._dynamo
     residual, *extra = mode.split('+')
@@ -214,7 +215,7 @@ def test_regional_compile_equals_route_and_its_graphs_do_not_grow_with_depth(mod
     graphs = {}
     for L in (2, 4):
         torch._dynamo.reset()
-        model, idx = model_and_tokens(residual, n_layer=L, n_blocks=2, variant='official' if 'official' in extra else 'paper',
+        model, idx = model_and_tokens(residual, device, n_layer=L, n_blocks=2, variant='official' if 'official' in extra else 'paper',
                                       res_gate='gate' in extra)
         with torch.no_grad():
             for i, (_, _, gate) in enumerate(model.routing_parameters() if 'gate' in extra else []):
