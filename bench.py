@@ -28,7 +28,10 @@ hold on a noisy machine. Columns:
                    list it first, e.g. --residual=delta_attnres,standard (standard is added first only if missing)
 Then the routing's modelled memory traffic (routing_traffic, docs/routing.md) at this shape and at the
 paper's 1b shape: what route(), route_fast (before issue 15), keys + mix and the two-phase schedule (which the
-model runs for the sublayer modes) read and write per token.
+model runs for the sublayer modes) read and write per token. Last, that traffic at this device's measured
+bandwidth (stream_bandwidth: c = a + b over tensors larger than the caches): the time it adds to a step if
+moving it were all the routing cost, and the 'x std' that leaves at best, beside the measured one. A measured
+ratio near that bound says the implementation runs at its schedule's traffic; only less traffic goes faster.
 """
 
 import atexit
@@ -118,6 +121,21 @@ def routing_traffic(sites, d, bytes_per_element, two_phase):
     else:
         passes['two_phase'] = passes['keys_mix']
     return {name: p * d * bytes_per_element for name, p in passes.items()}
+
+
+def stream_bandwidth(n=2**25, rounds=5):
+    """Bytes per second one memory-bound pass moves here: the best of a few c = a + b over n elements of the
+    bench's dtype (3n elements read and written; n large enough that no cache holds them)."""
+    dt = getattr(torch, dtype)
+    a, b, c = (torch.rand(n, device=device).to(dt) for _ in range(3))
+    best = float('inf')
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        torch.add(a, b, out=c)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 3 * n * c.element_size() / best
 
 
 def peak_flops_here():
@@ -271,6 +289,14 @@ def main():
         traffic = {shape: {m: routing_traffic(sites(m, L, d, nb), d, b, RESIDUAL_MODES[m][0] == 'sublayer')
                            for m in modes if m != 'standard'}
                    for shape, (L, d, nb, b) in shapes.items()}
+    # the floor: the schedule each row runs (fast: two-phase, naive: route()) moving its modelled bytes at this
+    # device's bandwidth, added to standard's step
+    setup['bandwidth'] = bandwidth = stream_bandwidth()
+    for row in rows.values():
+        if row['mode'] != 'standard':
+            row['routing_traffic_s'] = traffic['this'][row['mode']][
+                'two_phase' if row['routing'] == 'fast' else 'route'] * batch_size * block_size / bandwidth
+            row['tok_per_s_ratio_bound'] = std['seconds_per_step'] / (std['seconds_per_step'] + row['routing_traffic_s'])
     if json:
         print(jsonlib.dumps(dict(setup=setup, rows=list(rows.values()), traffic=traffic), indent=1))
         return
@@ -297,6 +323,14 @@ def main():
         for m, t in traffic[shape].items():
             print(f"{m:<22} {f'L={L} d={d} {8 * b}-bit':<20} {t['route'] / 1e6:9.2f} {t['route_fast'] / 1e6:10.2f} "
                   f"{t['keys_mix'] / 1e6:9.2f} {t['two_phase'] / 1e6:9.2f} {t['route_fast'] / t['two_phase']:20.1f}")
+    print(f"\n# that traffic at this device's bandwidth ({bandwidth / 1e9:.1f} GB/s, c = a + b): the time it adds to a step at "
+          f"this shape,\n# and the x std that leaves at best (standard: {1e3 * std['seconds_per_step']:.0f} ms/step)")
+    print(f"{'mode':<22} {'routing':>10} {'MB/step':>9} {'ms/step':>8} {'x std at best':>13} {'x std measured':>14}")
+    for row in rows.values():
+        if row['mode'] != 'standard':
+            print(f"{row['mode']:<22} {row['routing']:>10} "
+                  f"{row['routing_traffic_s'] * bandwidth / 1e6:9.0f} {1e3 * row['routing_traffic_s']:8.1f} "
+                  f"{row['tok_per_s_ratio_bound']:13.2f} {row['tok_per_s_ratio']:14.2f}")
 
 
 if __name__ == '__main__':

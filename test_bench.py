@@ -304,13 +304,23 @@ def test_bench_prints_a_row_per_mode():
 
 
 def test_bench_json():
-    rows = json.loads(run_bench('--json', '--residual=delta_attnres,attnres'))['rows']
-    assert [r['mode'] for r in rows] == ['standard', 'delta_attnres', 'attnres']
-    std, delta, _ = rows
+    doc = json.loads(run_bench('--json', '--residual=delta_attnres,attnres', '--routing=both'))
+    rows = doc['rows']
+    assert [(r['mode'], r['routing']) for r in rows] == [('standard', 'fast'), ('delta_attnres', 'fast'), ('delta_attnres', 'naive'),
+                                                         ('attnres', 'fast'), ('attnres', 'naive')]
+    std, delta = rows[:2]
     assert std['tok_per_s_ratio'] == 1.0 and std['saved_ratio'] == 1.0
     assert delta['tok_per_s'] > 0 and delta['saved_bytes'] > std['saved_bytes']
     lo, hi = delta['tok_per_s_ratio_range']         # the per-round ratios around their median
     assert 0 < lo <= delta['tok_per_s_ratio'] <= hi
+    # the bound: the row's schedule (fast: two-phase; naive: route()) moving its modelled bytes per token for the
+    # step's 2 x 16 tokens at the measured bandwidth, on top of standard's step
+    assert doc['setup']['bandwidth'] > 0
+    for r in rows[1:]:
+        traffic = doc['traffic']['this'][r['mode']]['two_phase' if r['routing'] == 'fast' else 'route']
+        t = traffic * 2 * 16 / doc['setup']['bandwidth']
+        assert r['routing_traffic_s'] == pytest.approx(t)
+        assert r['tok_per_s_ratio_bound'] == pytest.approx(std['seconds_per_step'] / (std['seconds_per_step'] + t))
 
 
 def test_bench_routing_traffic_model():
