@@ -132,7 +132,9 @@ def test_model_fast_equals_naive_bf16_autocast(mode, device):
 
     def err(a, b):
         return ((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-    # tiny random-routing models amplify rounding, so compare the error levels, not single entries
+    # tiny random-routing models amplify rounding, so compare the error levels, not single entries (from 3 layers on, the
+    # replace modes' BF16 gradients scatter for either path: Full AttnRes at 3 layers, 4 seeds, summed errors fast /
+    # route(): 17.1 / 5.9, 2.5 / 1.8, 1.4 / 9.1, 1.4 / 2.0; Delta AttnRes's fast path stays at or under route()'s up to 6)
     assert err(logits_f, logits_x) <= 0.1 and err(logits_n, logits_x) <= 0.1
     ef, en = [err(grads_f[k], grads_x[k]) for k in grads_x], [err(grads_n[k], grads_x[k]) for k in grads_x]
     assert max(ef) <= 0.5 and sum(ef) <= 2 * sum(en), (max(ef), sum(ef), sum(en))
