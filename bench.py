@@ -289,7 +289,7 @@ def main():
         traffic = {shape: {m: routing_traffic(sites(m, L, d, nb), d, b, RESIDUAL_MODES[m][0] == 'sublayer')
                            for m in modes if m != 'standard'}
                    for shape, (L, d, nb, b) in shapes.items()}
-    # the floor: the schedule each row runs (fast: two-phase, naive: route()) moving its modelled bytes at this
+    # the bound: the schedule each row runs (fast: two-phase, naive: route()) moving its modelled bytes at this
     # device's bandwidth, added to standard's step
     setup['bandwidth'] = bandwidth = stream_bandwidth()
     for row in rows.values():
