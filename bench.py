@@ -291,12 +291,12 @@ def main():
                    for shape, (L, d, nb, b) in shapes.items()}
     # the bound: the schedule each row runs (fast: two-phase, naive: route()) moving its modelled bytes at this
     # device's bandwidth, added to standard's step
-    setup['bandwidth'] = bandwidth = stream_bandwidth()
-    for row in rows.values():
-        if row['mode'] != 'standard':
-            row['routing_traffic_s'] = traffic['this'][row['mode']][
-                'two_phase' if row['routing'] == 'fast' else 'route'] * batch_size * block_size / bandwidth
-            row['tok_per_s_ratio_bound'] = std['seconds_per_step'] / (std['seconds_per_step'] + row['routing_traffic_s'])
+    routed = [row for row in rows.values() if row['mode'] != 'standard']
+    setup['bandwidth'] = bandwidth = stream_bandwidth() if routed else None
+    for row in routed:
+        row['routing_traffic_s'] = traffic['this'][row['mode']][
+            'two_phase' if row['routing'] == 'fast' else 'route'] * batch_size * block_size / bandwidth
+        row['tok_per_s_ratio_bound'] = std['seconds_per_step'] / (std['seconds_per_step'] + row['routing_traffic_s'])
     if json:
         print(jsonlib.dumps(dict(setup=setup, rows=list(rows.values()), traffic=traffic), indent=1))
         return
@@ -323,14 +323,15 @@ def main():
         for m, t in traffic[shape].items():
             print(f"{m:<22} {f'L={L} d={d} {8 * b}-bit':<20} {t['route'] / 1e6:9.2f} {t['route_fast'] / 1e6:10.2f} "
                   f"{t['keys_mix'] / 1e6:9.2f} {t['two_phase'] / 1e6:9.2f} {t['route_fast'] / t['two_phase']:20.1f}")
+    if not routed:
+        return
     print(f"\n# that traffic at this device's bandwidth ({bandwidth / 1e9:.1f} GB/s, c = a + b): the time it adds to a step at "
           f"this shape,\n# and the x std that leaves at best (standard: {1e3 * std['seconds_per_step']:.0f} ms/step)")
     print(f"{'mode':<22} {'routing':>10} {'MB/step':>9} {'ms/step':>8} {'x std at best':>13} {'x std measured':>14}")
-    for row in rows.values():
-        if row['mode'] != 'standard':
-            print(f"{row['mode']:<22} {row['routing']:>10} "
-                  f"{row['routing_traffic_s'] * bandwidth / 1e6:9.0f} {1e3 * row['routing_traffic_s']:8.1f} "
-                  f"{row['tok_per_s_ratio_bound']:13.2f} {row['tok_per_s_ratio']:14.2f}")
+    for row in routed:
+        print(f"{row['mode']:<22} {row['routing']:>10} "
+              f"{row['routing_traffic_s'] * bandwidth / 1e6:9.0f} {1e3 * row['routing_traffic_s']:8.1f} "
+              f"{row['tok_per_s_ratio_bound']:13.2f} {row['tok_per_s_ratio']:14.2f}")
 
 
 if __name__ == '__main__':

@@ -381,7 +381,9 @@ def test_bench_shows_progress_from_any_directory(tmp_path):
                           '--residual=standard', '--json'], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert 'warm up: 100%' in out.stderr and 'timed rounds of 1 models: 100%' in out.stderr and '2/2 [' in out.stderr
-    assert [r['mode'] for r in json.loads(out.stdout)['rows']] == ['standard']
+    doc = json.loads(out.stdout)
+    assert [r['mode'] for r in doc['rows']] == ['standard']
+    assert doc['setup']['bandwidth'] is None        # nothing routed: no bound to price, no bandwidth measured
 
 
 # bench.py in a fresh process with torch.compile's backend set to 'eager' (dynamo's graphs, run as they are:
