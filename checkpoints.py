@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from model import GPT, GPTConfig, RESIDUAL_MODES
-from runs import read_checkpoint
+from runs import latest, read_checkpoint
 
 # -----------------------------------------------------------------------------
 # Hugging Face directories (config.json + safetensors), read and written without `transformers`
@@ -211,11 +211,11 @@ def save_hf(model, path, dtype=None):
 # train.py checkpoints and Hugging Face directories, for the scripts
 
 def trained_checkpoint(out_dir):
-    """The checkpoint a train.py out_dir continues from: out_dir/ckpt, or the ckpt.pt of runs from before the
+    """The checkpoint a train.py out_dir continues from (runs.latest), or the ckpt.pt of runs from before the
     sharded format."""
-    for path in (os.path.join(out_dir, 'ckpt'), os.path.join(out_dir, 'ckpt.pt')):
-        if os.path.exists(path):
-            return path
+    path = latest(out_dir) or os.path.join(out_dir, 'ckpt.pt')
+    if os.path.exists(path):
+        return path
     raise FileNotFoundError(f"no checkpoint in {out_dir} (out_dir/ckpt); train one with train.py or pass "
                             f"--init_from=<checkpoint dir>")
 

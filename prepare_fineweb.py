@@ -13,7 +13,7 @@ whose text is identical to a validation document is dropped, so validation text 
 training. (The official Attention Residuals code evaluates on its training stream with another seed.)
 The result is written to data/<name>.partial/ (meta.json last, listing every shard and its length) and
 renamed to data/<name>/ only when complete; an existing data/<name>/ is first renamed aside and deleted
-only after the swap. So an interrupted run never leaves a half dataset that looks finished, and train.py
+only after the swap, and only if it is a dataset this script wrote (meta.json and .bin shards, nothing else). So an interrupted run never leaves a half dataset that looks finished, and train.py
 checks the shards against meta.json anyway.
 """
 
@@ -131,7 +131,11 @@ def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_s
     tokenizer = enc.name   # a hub name is now a local file, for the workers
     if max_tokens is not None and max_tokens <= val_tokens:
         raise ValueError(f"--max_tokens ({max_tokens:,}) must exceed --val_tokens ({val_tokens:,}) to leave training data")
-    partial = out_dir + '.partial'
+    partial, old = out_dir + '.partial', out_dir + '.old'
+    for path in (out_dir, partial, old):    # replace (or clear up) only what this script wrote
+        if os.path.lexists(path) and not is_dataset_folder(path):
+            raise ValueError(f"{path} exists and is not a dataset that prepare_fineweb.py wrote (it holds more than "
+                             f"meta.json and .bin shards); choose another --name or --data_root, or move it away")
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     try:
@@ -142,13 +146,21 @@ def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_s
     # Replace an existing dataset by two renames (atomic each); deleting it in place could be interrupted
     # half-way and leave meta.json beside missing shards. Killed between the renames, the old dataset is
     # complete in <name>.old and the new one in <name>.partial; data/<name>/ is missing, which train.py says.
-    old = out_dir + '.old'
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(out_dir):
         os.replace(out_dir, old)
     os.replace(partial, out_dir)
     shutil.rmtree(old, ignore_errors=True)
     return meta
+
+
+def is_dataset_folder(path):
+    """A folder of this script's making (a dataset, or one left half-written or set aside): plain files named
+    meta.json or *.bin, nothing else. Only such a folder is ever replaced or deleted."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    return all(e.is_file(follow_symlinks=False) and (e.name == 'meta.json' or e.name.endswith('.bin'))
+               for e in os.scandir(path))
 
 
 def _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_tokens, shard_size, num_proc):
@@ -233,6 +245,9 @@ def main(argv=None):
     val_tokens = args.val_tokens if args.val_tokens is not None else (10_000_000 if remote else 256 * 1024)
     name = args.name or ('demo' if args.demo else 'local' if args.local else 'fineweb_edu')
     out_dir = os.path.join(args.data_root, name)
+    if name in ('.', '..') or not name or os.sep in name or (os.altsep and os.altsep in name):
+        sys.exit(f"prepare_fineweb.py: error: --name={name!r} must be a folder name inside --data_root "
+                 f"({args.data_root!r}), without '/'")
     try:
         if args.demo:
             documents = demo_documents()

@@ -491,6 +491,23 @@ def plot_heatmap(title, stats, path):
     plt.close(fig)
 
 
+def measure_routing(runs, how, batches, data_root, device):
+    """Each routed run's routing statistics ('routing'), from its log or measured on val batches."""
+    routed = [r for r in runs if r['config']['residual'] != 'standard']
+    for i, run in enumerate(routed):
+        if how == 'log':
+            run['routing'], run['routing_batches'] = routing_from_log(run), None
+        elif run['routing'] is not None:    # a saved run: measured when it was saved
+            if run['routing_batches'] != batches:
+                raise SystemExit(f"{run['dir']}: its saved routing is " + (
+                    "the logged one: use --routing=log" if run['routing_batches'] is None else
+                    f"measured on {run['routing_batches']} val batches, not --batches={batches}"))
+        else:
+            print(f"routing of {run['dir']} on {batches} val batches ({i + 1}/{len(routed)})", file=sys.stderr)
+            run['routing'] = routing_from_val(run, batches, data_root, device)
+            run['routing_batches'] = batches
+
+
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
@@ -518,20 +535,11 @@ def main(argv=None):
         except ImportError:
             raise SystemExit("report.py --out draws the figures with matplotlib: pip install matplotlib") from None
 
-    runs = [load_run(d) for d in args.runs]
-    routed = [r for r in runs if r['config']['residual'] != 'standard']
-    for i, run in enumerate(routed):
-        if args.routing == 'log':
-            run['routing'], run['routing_batches'] = routing_from_log(run), None
-        elif run['routing'] is not None:    # a saved run: measured when it was saved
-            if run['routing_batches'] != args.batches:
-                raise SystemExit(f"{run['dir']}: its saved routing is " + (
-                    "the logged one: use --routing=log" if run['routing_batches'] is None else
-                    f"measured on {run['routing_batches']} val batches, not --batches={args.batches}"))
-        else:
-            print(f"routing of {run['dir']} on {args.batches} val batches ({i + 1}/{len(routed)})", file=sys.stderr)
-            run['routing'] = routing_from_val(run, args.batches, args.data_root, args.device)
-            run['routing_batches'] = args.batches
+    try:
+        runs = [load_run(d) for d in args.runs]
+        measure_routing(runs, args.routing, args.batches, args.data_root, args.device)
+    except (ValueError, FileNotFoundError) as e:   # a missing, damaged or refused run or checkpoint: its message
+        raise SystemExit(f"report.py: error: {e}") from None
     if args.save_runs:
         saved = [save_run(r, args.save_runs) for r in runs]
         print(f"saved {len(saved)} runs to {args.save_runs}", file=sys.stderr)

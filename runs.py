@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,9 @@ import zipfile
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -84,20 +87,32 @@ def init_distributed(backend, timeout):
 # where a run starts
 
 
+def _steps(out_dir):
+    """out_dir's step_N checkpoint folders, oldest first. A save renames its folder into place only after every
+    file in it is written, so each is complete."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return [os.path.join(out_dir, n) for n in sorted(names) if re.fullmatch(r'step_\d{6}', n)
+            and os.path.isdir(os.path.join(out_dir, n)) and not os.path.islink(os.path.join(out_dir, n))]
+
+
 def latest(out_dir):
-    """out_dir's latest checkpoint folder, or None."""
+    """The checkpoint a run in out_dir continues, or None: what out_dir/ckpt links to or, where that link is missing
+    or dangling (a process killed between the first save's rename and its link, a partial copy), the newest step_N
+    folder, which the next save links."""
     path = os.path.join(out_dir, 'ckpt')
-    return path if os.path.isdir(path) else None
+    if os.path.isdir(path):
+        return path
+    return _steps(out_dir)[-1] if _steps(out_dir) else None
 
 
 def start_or_resume(init_from, out_dir, overwrite):
     """-> 'resume' or what init_from says. One out_dir, one run: a new run never replaces a checkpoint silently.
     init_from='auto' continues the run in out_dir if it has a checkpoint and starts it from scratch otherwise, so
     that the same command survives `torchrun --max-restarts`, a requeue or a preempted machine."""
+    if init_from == 'auto':
+        init_from = 'resume' if latest(out_dir) else 'scratch'
     held = latest(out_dir) or next((p for p in (os.path.join(out_dir, f) for f in ('ckpt.pt', 'best.pt'))
                                     if os.path.exists(p)), None)
-    if init_from == 'auto':
-        return 'resume' if latest(out_dir) else 'scratch'
     if init_from != 'resume' and held and not overwrite:
         raise ValueError(f"out_dir={out_dir!r} holds the checkpoint {held} of an earlier run; continue it with "
                          f"--init_from=resume (or auto), replace it with --overwrite=True, or choose another --out_dir")
@@ -168,11 +183,21 @@ def _kept(out_dir):
             if os.path.isdir(p)}
 
 
+def _discard(path):
+    """Delete a checkpoint folder by renaming it to *.tmp first (atomic): a process killed while deleting leaves a
+    .tmp folder, which the next save removes, never a half-deleted step_N."""
+    tmp = path + '.tmp'
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.rename(path, tmp)
+    shutil.rmtree(tmp)
+
+
 def save_checkpoint(out_dir, step, model, optimizer, state, is_best, master):
     """Every rank calls this. Each writes its own shards of the model and optimizer state into out_dir/step_N.tmp
     (DCP); then rank 0 adds state.json, renames the folder to step_N and points `ckpt` (and `best`) at it.
     Raises CheckpointWriteError on every rank if any rank could not write (e.g. a full disk): the previous
-    checkpoint is untouched."""
+    checkpoint is untouched. A process killed at any instant of it leaves a state that a restart continues: the
+    previous checkpoint, or the new step_N (which latest() adopts where no link names it yet)."""
     final = os.path.join(out_dir, f'step_{step:06d}')
     tmp = final + '.tmp'
     distributed = dist.is_initialized()
@@ -180,6 +205,8 @@ def save_checkpoint(out_dir, step, model, optimizer, state, is_best, master):
         for name in os.listdir(out_dir):      # left by a crash or a full disk
             if name.startswith('step_') and name.endswith('.tmp'):
                 shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+        if os.path.isdir(final):    # a step_N that no link named (killed before its link): this run replaces it
+            _discard(final)
     if distributed:
         dist.barrier()
     error = None
@@ -203,17 +230,20 @@ def save_checkpoint(out_dir, step, model, optimizer, state, is_best, master):
     if error is not None:
         if master:
             shutil.rmtree(tmp, ignore_errors=True)
+        # the cause, and the room left beside the size of a checkpoint (a full disk can surface as any error)
         free = shutil.disk_usage(out_dir).free / 2**20
-        raise CheckpointWriteError(f"step {step}: could not write the checkpoint into {out_dir} ({error}); "
-                                   f"is the disk full? ({free:,.1f} MiB free there)")
+        last = latest(out_dir)
+        size = sum(f.stat().st_size for f in os.scandir(last)) / 2**20 if last else None
+        raise CheckpointWriteError(f"step {step}: could not write the checkpoint into {out_dir} ({error}; "
+                                   f"{free:,.1f} MiB free there" + (f", less than the last checkpoint's {size:,.1f} "
+                                   f"MiB: the disk is full" if size and free < size else '') + ")")
     if master:
         _point(out_dir, 'ckpt', final)
         if is_best:
             _point(out_dir, 'best', final)
-        for name in os.listdir(out_dir):    # the checkpoints that neither ckpt nor best points at any more
-            path = os.path.join(out_dir, name)
-            if name.startswith('step_') and os.path.realpath(path) not in _kept(out_dir):
-                shutil.rmtree(path, ignore_errors=True)
+        for path in _steps(out_dir):    # the checkpoints that neither ckpt nor best points at any more
+            if os.path.realpath(path) not in _kept(out_dir):
+                _discard(path)
     if distributed:
         dist.barrier()
     return final
@@ -224,49 +254,106 @@ def resume(path, model, optimizer):
     each rank only the parts it holds, whatever the number of processes that saved it (read_state first)."""
     msd, osd = get_state_dict(model, optimizer)
     sd = {'model': msd, 'optimizer': osd}
-    _load(dcp.load, sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+    _load(dcp.load, path, sd, no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=sd['model'], optim_state_dict=sd['optimizer'])
 
 
 # -----------------------------------------------------------------------------
 # loading safely: nothing in a checkpoint someone hands you may run code
+#
+# DCP (torch 2.13) has three ways to run code from a checkpoint's files: it unpickles the global .metadata without
+# restriction, falls back to a rank-local __<rank>.metadata (also plain pickle) when the global one is unusable, and
+# unpickles every non-tensor value (an optimizer's learning rate, say) with torch.load(weights_only=False). SafeReader
+# closes all three: the metadata is read by an unpickler that builds exactly the classes below and must yield DCP's
+# Metadata, there is no fallback, and non-tensor values must load with torch.load(weights_only=True) first.
 
-# DCP's .metadata is a plain pickle, which DCP itself unpickles without restriction (torch 2.13). We read it first
-# with an unpickler that only builds DCP's own metadata classes, torch dtypes and sizes, and refuse anything else.
-_SAFE_MODULES = ('torch.distributed.checkpoint.metadata', 'torch.distributed.checkpoint.filesystem',
-                 'torch.distributed.checkpoint.planner', 'pathlib', 'collections')
+_METADATA_CLASSES = {('torch.distributed.checkpoint.metadata', name) for name in (
+    'Metadata', 'MetadataIndex', 'StorageMeta', 'TensorStorageMetadata', 'BytesStorageMetadata',
+    'ChunkStorageMetadata', 'TensorProperties', '_MEM_FORMAT_ENCODING')} | {
+    ('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('pathlib', 'PosixPath'),
+    ('pathlib', 'PurePosixPath'), ('pathlib', 'WindowsPath'), ('pathlib', 'PureWindowsPath'),
+    ('torch', 'Size'), ('torch.serialization', '_get_layout')}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if module in _SAFE_MODULES or (module, name) in (('torch', 'Size'), ('torch.serialization', '_get_layout')) \
-                or (module == 'torch' and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))):
+        # exact (module, name) pairs: no whole modules, and so no dotted names ('pathlib', 'os.system'), which
+        # pickle would resolve attribute by attribute from protocol 4 on
+        if (module, name) in _METADATA_CLASSES or (module == 'torch' and '.' not in name and isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.memory_format))):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
 
-def _check_metadata(path):
+def read_metadata(path):
+    """A checkpoint folder's DCP metadata, unpickled safely; a ValueError naming the folder if it is missing,
+    corrupt, or anything but DCP's Metadata."""
     meta = os.path.join(path, '.metadata')
     if not os.path.isfile(meta):
         raise ValueError(f"{path} is not a complete checkpoint: {meta} is missing (its save did not finish)")
     try:
         with open(meta, 'rb') as f:
-            _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+            metadata = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError, IndexError) as e:
         raise ValueError(f"checkpoint {path} is refused: its .metadata is corrupt or holds code ({e})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise ValueError(f"checkpoint {path} is refused: its .metadata holds a {type(metadata).__name__}, "
+                         f"not DCP's Metadata")
+    return metadata
+
+
+class RefusedCheckpoint(ValueError):
+    pass
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader for checkpoints written by someone else (see above)."""
+
+    def read_metadata(self):    # no **kwargs: DCP then never asks for a rank-local __<rank>.metadata
+        metadata = read_metadata(str(self.path))
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id     # what FileSystemReader.read_metadata adds
+        return metadata
+
+    def read_data(self, plan, planner):
+        unsafe = planner.load_bytes      # torch.load(weights_only=False) of each non-tensor value
+
+        def load_bytes(read_item, value):
+            try:
+                with warnings.catch_warnings():     # (about the pickle protocol of a value DCP wrote itself)
+                    warnings.simplefilter('ignore')
+                    torch.load(value, weights_only=True)    # plain values only; anything else is refused
+            except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+                raise RefusedCheckpoint(f"its value {read_item.dest_index.fqn} holds more than plain values, "
+                                        f"which could run code when loaded") from None
+            value.seek(0)
+            unsafe(read_item, value)
+        planner.load_bytes = load_bytes
+        return super().read_data(plan, planner)
 
 
 def read_state(path):
     """A checkpoint folder's state.json (settings, data position, provenance), after checking its DCP metadata."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint {path}")
-    _check_metadata(path)
+    read_metadata(path)
     try:
         with open(os.path.join(path, 'state.json')) as f:
-            return json.load(f)
+            state = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"checkpoint {path} has no readable state.json ({type(e).__name__}); "
                          f"its save did not finish?") from None
+    count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    expected = {'model_config': lambda v: isinstance(v, dict), 'config': lambda v: isinstance(v, dict),
+                'meta': lambda v: isinstance(v, dict), 'iter_num': count, 'data_pos': count,
+                'best_val_loss': lambda v: v is None or number(v),
+                'best_ckpt': lambda v: v is None or (isinstance(v, list) and len(v) == 2 and count(v[0]) and number(v[1]))}
+    wrong = [k for k, ok in expected.items() if not isinstance(state, dict) or k not in state or not ok(state[k])]
+    if wrong:
+        raise ValueError(f"checkpoint {path} has a state.json that train.py did not write: missing or wrong "
+                         f"{', '.join(wrong)}")
+    return state
 
 
 def read_checkpoint(path, optimizer=False):
@@ -278,15 +365,17 @@ def read_checkpoint(path, optimizer=False):
         return _read_legacy(path)
     state = read_state(path)
     # DCP's loader for one process without a model to load into (what its dcp_to_torch_save conversion uses)
-    sd = _load(_load_state_dict_from_keys, {'model', 'optimizer'} if optimizer else {'model'}, checkpoint_id=path)
+    sd = _load(_load_state_dict_from_keys, path, {'model', 'optimizer'} if optimizer else {'model'})
     return {**state, **sd}
 
 
-def _load(load, *args, **kwargs):
+def _load(load, path, *args, **kwargs):
+    """load(*args, ...) from the checkpoint folder `path`, through SafeReader."""
     try:
-        return load(*args, **kwargs)
+        return load(*args, storage_reader=SafeReader(path), **kwargs)
     except (Exception, CheckpointException) as e:   # (a BaseException) each rank's error: a missing or cut-short shard
-        path = kwargs['checkpoint_id']
+        if refused := [f for f, _ in getattr(e, 'failures', {}).values() if isinstance(f, RefusedCheckpoint)]:
+            raise ValueError(f"checkpoint {path} is refused: {refused[0]}") from None
         raise ValueError(f"checkpoint {path} is damaged and could not be read ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[-1][:300]}); resume from another checkpoint "
                          f"(e.g. the best one) or start a new run") from None

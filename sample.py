@@ -76,6 +76,9 @@ if __name__ == '__main__':
         'num_samples': (num_samples >= 1, '>= 1'),
         'max_new_tokens': (max_new_tokens >= 1, '>= 1'),
         'dtype': (dtype in ('float32', 'bfloat16', 'float16'), "'float32', 'bfloat16' or 'float16'"),
+        'start': (not start.startswith('FILE:') or os.path.isfile(start[5:]), 'a prompt, or FILE:path of a file'),
+        'device': (device == 'cpu' or (device.startswith('cuda') and torch.cuda.is_available()),
+                   "'cpu', or 'cuda' / 'cuda:N' on a machine with CUDA"),
     })
     torch.manual_seed(seed)
     model, recorded_tokenizer = load_model(init_from, out_dir, residual, n_blocks)

@@ -197,11 +197,12 @@ def test_grouping_and_conversion_table(tmp_path, capsys):
 
 
 def test_errors_name_the_run(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f'no checkpoint in {tmp_path}'):
+    # one line each (report.py: error: ...), no traceback
+    with pytest.raises(SystemExit, match=f'report.py: error: no checkpoint in {tmp_path}'):
         (tmp_path / 'log.jsonl').write_text('')
         report.main([str(tmp_path)])
     run = fake_run(tmp_path / 'r', 1, {0: 3.0}, dict(residual='attnres', data_root=str(tmp_path / 'nowhere')))
-    with pytest.raises(FileNotFoundError, match='not here: pass --data_root'):
+    with pytest.raises(SystemExit, match='report.py: error: .*not here: pass --data_root'):
         report.main([run])
 
 

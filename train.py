@@ -149,6 +149,9 @@ check_settings({  # setting: (holds?, what is expected); configurator.py
     'divergence_factor': (divergence_factor == 0 or divergence_factor > 1, '> 1, or 0 to stop only on non-finite losses'),
     'ddp_timeout_s': (ddp_timeout_s > 0, '> 0 seconds'),
     'peak_flops': (peak_flops >= 0, '>= 0 FLOP/s'),
+    'device': (device == 'cpu' or (device.startswith('cuda') and torch.cuda.is_available()),
+               "'cpu', or 'cuda' / 'cuda:N' on a machine with CUDA" + ('' if torch.cuda.is_available() else
+                                                                       ' (this one has none)')),
 })
 # one out_dir, one run: only a resume continues what is there (runs.py)
 auto = init_from == 'auto'
@@ -167,9 +170,6 @@ accum = gradient_accumulation_steps // world_size  # micro-batches per process p
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 if master:
-    os.makedirs(out_dir, exist_ok=True)
-    if init_from != 'resume':  # (overwrite=True, or there was nothing to overwrite)
-        clear(out_dir)
     parallel = 'FSDP2' if fsdp else 'DDP' if ddp else 'no data parallelism'
     print(f"{world_size} process(es) x {accum} micro-batches x {batch_size} x {block_size} = "
           f"{tokens_per_iter:,} tokens per step ({parallel}{', activation checkpointing' if activation_checkpointing else ''})")
@@ -206,6 +206,13 @@ state = None   # the checkpoint's settings, data position and best losses (state
 if init_from == 'resume':
     state = read_state(latest(out_dir))    # (checks the checkpoint's DCP metadata before anything reads it)
     check_resume(latest(out_dir), state, asdict(model_config), meta, data_dir, config, auto=auto)
+    if state['iter_num'] >= max_iters and not eval_only:   # a finished run, started again (e.g. a requeue)
+        if master:
+            print(f"{latest(out_dir)} is at step {state['iter_num']}, max_iters={max_iters}: nothing left to train "
+                  f"(raise --max_iters to continue)")
+        if ddp:
+            dist.destroy_process_group()
+        raise SystemExit(0)
 if init_from in ('scratch', 'resume'):
     with torch.device(device):  # build directly on the GPU: no CPU copy of an 8B model per process
         model = GPT(model_config)
@@ -270,6 +277,7 @@ if state is not None:   # each rank reads its own shards of the weights and opti
     iter_num, train_loader.pos = state['iter_num'], state['data_pos']
     if master:
         print(f"resumed from {latest(out_dir)} (step {iter_num})")
+
 start_iter = iter_num
 guard = Guard(out_dir, divergence_factor, device, state)   # divergence and non-finite stops (runs.py)
 run_info = provenance(world_size, device)
@@ -279,6 +287,12 @@ if compile and not (compile_regional or fsdp):
 if ddp and not fsdp:
     # broadcast_buffers=False: the only buffers are the RoPE tables, constants that need no re-sending every forward
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
+
+# Every setting, the data, the model and the checkpoint are checked: only now is out_dir touched
+if master:
+    os.makedirs(out_dir, exist_ok=True)
+    if init_from != 'resume':  # (overwrite=True, or there was nothing to overwrite)
+        clear(out_dir)
 
 # logging: a compact line on stdout, every number in out_dir/log.jsonl
 log_path = open_log(out_dir, iter_num if init_from == 'resume' else None,
