@@ -349,6 +349,8 @@ def test_settings_are_checked_before_any_work(corpus, tmp_path):
     bad = {'residual': "'delta'", 'batch_size': '0', 'block_size': '0', 'eval_interval': '0', 'log_interval': '0',
            'eval_iters': '0', 'max_iters': '-1', 'gradient_accumulation_steps': '0', 'warmup_iters': '10',
            'lr_decay_iters': '10', 'divergence_factor': '1', 'ddp_timeout_s': '0'}
+    if not torch.cuda.is_available():
+        bad['device'] = "'cuda'"     # (before any work, not an assertion deep inside torch)
     p, _ = train(corpus, tmp_path / 'out', *[f'--{k}={v.strip(chr(39))}' for k, v in bad.items()], check=False)
     lines = p.stderr.splitlines()
     assert p.returncode == 1 and 'Traceback' not in p.stderr and not (tmp_path / 'out').exists()
@@ -362,13 +364,17 @@ def test_settings_are_checked_before_any_work(corpus, tmp_path):
     assert ('error: gradient_accumulation_steps=0: expected >= 1 and divisible by the number of processes, 1 '
             '(it counts micro-batches over all processes)') in lines
     assert 'error: divergence_factor=1.0: expected > 1, or 0 to stop only on non-finite losses' in lines
+    if 'device' in bad:
+        assert "error: device='cuda': expected 'cpu', or 'cuda' / 'cuda:N' on a machine with CUDA (this one has none)" in lines
     # sample.py checks its settings before it loads a model (there is none here)
     p = subprocess.run([sys.executable, 'sample.py', '--temperature=-0.5', '--top_k=-1', '--num_samples=0',
-                        '--max_new_tokens=0', f'--out_dir={tmp_path}'], cwd=REPO, capture_output=True, text=True)
+                        '--max_new_tokens=0', f'--start=FILE:{tmp_path}/missing.txt', f'--out_dir={tmp_path}'],
+                       cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr.splitlines() == [
         'error: temperature=-0.5: expected >= 0 (0: greedy, always the most likely token)',
         'error: top_k=-1: expected >= 0 (0: all tokens)', 'error: num_samples=0: expected >= 1',
-        'error: max_new_tokens=0: expected >= 1']
+        'error: max_new_tokens=0: expected >= 1', f"error: start='FILE:{tmp_path}/missing.txt': expected a prompt, "
+        f"or FILE:path of a file"]
 
 
 def test_runs_never_overwrite_a_good_checkpoint(corpus, tmp_path):
