@@ -11,12 +11,14 @@ Synthetic random tokens; `warmup` steps per mode are not counted (they include t
 `repeats` rounds, each timing `steps` steps of every mode in turn (A B C A B C ...), so that the ratios
 hold on a noisy machine. Columns:
   tok/s            training throughput, median over the rounds
-  x std, range     ratio to 'standard' within each round (the two ran back to back): the median round,
-                   and the lowest and highest; a wide range means the machine's load changed
-  peak, x std      GPU: torch.cuda.max_memory_allocated of the mode's step, counted as if the mode's
+  paired x, range  speed against 'standard' within each round (the two ran back to back): the median over the
+                   rounds of that round's ratio, and the lowest and highest; a wide range means the machine's
+                   load changed. On a noisy machine it can differ from the ratio of two tok/s medians, which
+                   may come from different rounds: the paired ratio is the one to trust
+  peak MB, x       GPU: torch.cuda.max_memory_allocated of the mode's step, counted as if the mode's
                    model were alone on the device (its own parameters and optimizer state included).
                    CPU: not measured (process RSS is noise); see the saved column.
-  saved, x std     activations saved for backward by one training forward: every tensor that autograd
+  saved MB, x      activations saved for backward by one training forward: every tensor that autograd
                    packs (torch.autograd.graph.saved_tensors_hooks), each storage counted once, the
                    parameters left out. Measured in eager mode, outside the timing.
   MFU              GPU: model FLOPs (GPT.flops_per_token) per second over the device's peak BF16 dense
@@ -305,8 +307,9 @@ def main():
           f"median of {repeats} interleaved rounds of {steps} steps")
     print(f"# saved = {setup['saved']}" + (f"; peak = {setup['peak']}" if setup['peak'] else
                                            "; peak: CPU, not measured"))
-    head = (f"{'mode':<22} {'params':>8} {'tok/s':>9} {'x std':>6} {'range':>9} {'peak MB':>9} {'x std':>6} "
-            f"{'saved MB':>9} {'x std':>6} {'MFU':>6} {'1st step s':>10}")
+    print("# paired x: the median over rounds of standard's time / the mode's in the same round; x: / standard's")
+    head = (f"{'mode':<22} {'params':>8} {'tok/s':>9} {'paired x':>8} {'range':>9} {'peak MB':>9} {'x':>6} "
+            f"{'saved MB':>9} {'x':>6} {'MFU':>6} {'1st step s':>10}")
     print(head)
     print('-' * len(head))
     for row in rows.values():
@@ -314,7 +317,7 @@ def main():
         peak_s = (f"{row['peak_bytes'] / 2**20:9.1f} {row['peak_ratio']:6.2f}" if row['peak_bytes'] else f"{'-':>9} {'-':>6}")
         mfu_s = f"{100 * row['mfu']:5.1f}%" if row['mfu'] is not None else f"{'-':>6}"
         lo, hi = row['tok_per_s_ratio_range']
-        print(f"{name:<22} {row['params'] / 1e6:7.2f}M {row['tok_per_s']:9.0f} {row['tok_per_s_ratio']:6.2f} {lo:4.2f}-{hi:4.2f} {peak_s} "
+        print(f"{name:<22} {row['params'] / 1e6:7.2f}M {row['tok_per_s']:9.0f} {row['tok_per_s_ratio']:8.2f} {lo:4.2f}-{hi:4.2f} {peak_s} "
               f"{row['saved_bytes'] / 2**20:9.1f} {row['saved_ratio']:6.2f} {mfu_s} {row['first_step_s']:10.1f}")
     print(f"\n# routing traffic per token of a training step, modelled (docs/routing.md): MB read + written")
     print(f"{'mode':<22} {'shape':<20} {'route()':>9} {'route_fast':>10} {'keys+mix':>9} {'two-phase':>9} "

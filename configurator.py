@@ -28,7 +28,7 @@ def _check_setting(key, value, known, source):
           or (type(default) is float and type(value) is int))
     if not ok:
         raise ValueError(f"config key {key!r} in {source} must be {type(default).__name__} "
-                         f"(like its default {default!r}), got {type(value).__name__} {value!r}")
+                         f"(like its value so far, {globals()[key]!r}), got {type(value).__name__} {value!r}")
     return float(value) if type(default) is float else value
 
 
@@ -57,9 +57,49 @@ def check_settings(expected):
         raise ValueError('\n'.join(problems))
 
 
+def _print_help(script):
+    """--help: the script's first docstring paragraph, then its settings as the file lays them out between its first
+    two '# ----' lines: the section comments, and each setting with its value now (after any config file and
+    --key=value before --help) and its comment."""
+    import ast
+    import io
+    import re
+    import tokenize
+    with open(script) as f:
+        source = f.read()
+    print((ast.get_docstring(ast.parse(source)) or '').split('\n\n')[0].strip() + '\n')
+    print(f"usage: python {os.path.basename(script)} [config/FILE.py ...] [--key=value ...]   (settings below, "
+          f"with their values now)")
+    lines = source.splitlines()
+    rules = [i for i, line in enumerate(lines) if re.match(r'# -{20,}', line)]
+    block = '\n'.join(lines[rules[0] + 1:rules[1]]) + '\n'
+    comments = {t.start[0]: t.string.lstrip('#').strip()
+                for t in tokenize.generate_tokens(io.StringIO(block).readline) if t.type == tokenize.COMMENT}
+    section, last = None, None      # a section is printed with its first setting; `last`: the line printed last
+    for n, line in enumerate(block.splitlines(), start=1):
+        key = re.match(r'(\w+)\s*=', line)
+        if key and key[1] in _known:
+            if section:
+                print(f"\n{section}")
+                section = None
+            value = globals()[key[1]]
+            shown = value if isinstance(value, str) and value and not re.search(r'\s', value) else repr(value)
+            setting = f"  --{key[1]}={shown}"
+            print(setting + (' ' * max(1, 40 - len(setting)) + '# ' + comments[n] if n in comments else ''))
+            last = n
+        elif line.startswith('#'):
+            section = comments[n]
+        elif line.strip().startswith('#') and last == n - 1:    # a setting's comment, continued
+            print(' ' * 40 + '# ' + comments[n])
+            last = n
+    print('\nA config file is Python that sets these names (config/); --key=value takes a Python literal, or text '
+          'for a string setting.')
+
+
 _known = {k: v for k, v in globals().items()
           if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}
-for _arg in sys.argv[1:]:
+_help = any(a in ('-h', '--help') for a in sys.argv[1:])
+for _arg in (a for a in sys.argv[1:] if a not in ('-h', '--help')):
     if not _arg.startswith('--'):
         # a config file: run it in a scratch namespace (so it may use helpers and exec a shared base),
         # then copy over the settings it made
@@ -88,3 +128,6 @@ for _arg in sys.argv[1:]:
                 _attempt = _val
         globals()[_key] = _check_setting(_key, _attempt, _known, 'the command line')
         print(f"Overriding: {_key} = {globals()[_key]!r}")
+if _help:
+    _print_help(globals()['__file__'])
+    sys.exit(0)

@@ -15,6 +15,8 @@ left-over .tmp folder is removed by the next save. DCP reshards on load: a run s
 The same format serves every run (one process, DDP, FSDP2), so sample.py, export.py, report.py and eval_lm.py read
 any of them with read_checkpoint (DCP's own loading, into one process).
 """
+import atexit
+import fcntl
 import json
 import math
 import os
@@ -22,8 +24,10 @@ import pickle
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import warnings
 import zipfile
 
@@ -81,6 +85,75 @@ def init_distributed(backend, timeout):
     attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
     dist.init_process_group(backend, store=dist.PrefixStore(f'attempt_{attempt}', store), rank=rank,
                             world_size=world_size, timeout=timeout)
+
+
+# -----------------------------------------------------------------------------
+# one run per out_dir, and a clean stop on a signal
+
+def lock(out_dir):
+    """Hold an exclusive lock on out_dir (its file .lock) for the life of this process, or refuse at once, naming
+    the run that holds it: two runs in one folder would interleave their logs and break each other's saves (a
+    requeued job that starts while its predecessor is still shutting down). The OS releases the lock when the
+    process ends, however it ends. An out_dir created here and left empty by a run that fails its checks is removed
+    at exit. (On a network file system this relies on its locks: NFSv4 and Lustre have them.)"""
+    created = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, '.lock')
+    f = open(path, 'a+')
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or 'a run that has not said who it is yet'
+        f.close()
+        raise ValueError(f"out_dir={out_dir!r} is in use by another run ({holder}); wait for it to end or stop it, "
+                         f"or choose another --out_dir") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+    f.flush()
+    def remove_if_unused():
+        if os.listdir(out_dir) == ['.lock']:
+            os.remove(path)
+            os.rmdir(out_dir)
+    if created:
+        atexit.register(remove_if_unused)
+    return f    # locked while it is open: until the process ends, or this object is dropped
+
+
+class Stop:
+    """SIGTERM (a scheduler preempting or ending the job; Slurm: --signal=TERM@120) and SIGINT (Ctrl-C) stop a run
+    cleanly: the step in progress finishes, every rank writes its part of a checkpoint, and the process exits with
+    the signal's conventional code, 128 + its number. A second signal ends the process at once; the last complete
+    checkpoint stays as it is (saves are atomic). One arriving within a second of the first is the same event
+    delivered twice and counts once: Ctrl-C under torchrun reaches each worker from the terminal and again from
+    torchrun, and so does a scheduler's signal sent to every process of a job. Under torchrun all ranks stop at
+    the same step, even when only one was signalled: each step all-reduces every rank's flag, and the host reads
+    the result a step later, when the device has long finished it, so checking costs no wait."""
+
+    def __init__(self, device, verbose):
+        self.signum, self.device, self.verbose, self.pending, self.at = 0, device, verbose, None, None
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._received)
+
+    def _received(self, signum, frame):
+        if self.signum and time.monotonic() - self.at < 1:
+            return      # the first one again (see above)
+        if self.signum:     # a second signal: stop now, as if there were no handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signum, self.at = signum, time.monotonic()
+        if self.verbose:
+            print(f"received {signal.Signals(signum).name}: stopping after this step with a checkpoint "
+                  f"(send it again to stop at once)", flush=True)
+
+    def requested(self):
+        """The signal number (0: none) at which every rank stops now, the same on all ranks."""
+        if not dist.is_initialized():
+            return self.signum
+        agreed = int(self.pending.item()) if self.pending is not None else 0
+        self.pending = torch.full((), self.signum, dtype=torch.int32, device=self.device)
+        dist.all_reduce(self.pending, op=dist.ReduceOp.MAX)
+        return agreed
 
 
 # -----------------------------------------------------------------------------
@@ -205,8 +278,8 @@ def save_checkpoint(out_dir, step, model, optimizer, state, is_best, master):
         for name in os.listdir(out_dir):      # left by a crash or a full disk
             if name.startswith('step_') and name.endswith('.tmp'):
                 shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-        if os.path.isdir(final):    # a step_N that no link named (killed before its link): this run replaces it
-            _discard(final)
+        if os.path.isdir(final) and os.path.realpath(final) not in _kept(out_dir):
+            _discard(final)     # a step_N that no link named (killed before its link): this run replaces it
     if distributed:
         dist.barrier()
     error = None

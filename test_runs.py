@@ -40,13 +40,13 @@ runpy.run_path('train.py', run_name='__main__')
 """
 
 
-def torchrun(corpus, out_dir, *args, restarts=0, env=None, nproc=2, check=True):
-    """train.py (through KILLER) under torchrun, as a job script would start it."""
+def torchrun(corpus, out_dir, *args, restarts=0, env=None, nproc=2, check=True, wrapper=KILLER):
+    """train.py (through KILLER, or another wrapper's text) under torchrun, as a job script would start it."""
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
            f'--max-restarts={restarts}', str(Path(out_dir).parent / 'killer.py'), str(out_dir),
            *TINY, '--dataset=tiny', f'--data_root={corpus}', f'--out_dir={out_dir}',
            *args]
-    Path(out_dir).parent.joinpath('killer.py').write_text(KILLER)     # beside out_dir, not in it
+    Path(out_dir).parent.joinpath('killer.py').write_text(wrapper)     # beside out_dir, not in it
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})})
     if check:
@@ -74,7 +74,7 @@ def test_a_killed_rank_restarts_or_requeues_and_continues_exactly(corpus, tmp_pa
     assert checkpoint(tmp_path / 'b')['iter_num'] == 3 and list((tmp_path / 'b').glob('step_000006.tmp'))
     p, requeued = torchrun(corpus, tmp_path / 'b', *RUN, '--init_from=auto')
     assert losses(requeued) == losses(full) and val_losses(requeued) == val_losses(full)
-    assert sorted(f.name for f in (tmp_path / 'b').iterdir()) == ['best', 'ckpt', 'log.jsonl', 'step_000008']
+    assert sorted(f.name for f in (tmp_path / 'b').iterdir()) == ['.lock', 'best', 'ckpt', 'log.jsonl', 'step_000008']
 
     # a different command pointed at the run is not a restart: refused, naming what differs
     p, _ = torchrun(corpus, tmp_path / 'b', *RUN, '--init_from=auto', '--learning_rate=0.5', check=False)

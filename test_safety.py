@@ -148,7 +148,7 @@ def test_a_missing_ckpt_link_deletes_nothing_and_resumes_from_the_newest_step(co
     p, _ = train(corpus, out, *RUN, check=False)     # a new run: refused, nothing deleted
     assert p.returncode == 1 and f"holds the checkpoint {out}/step_000006" in p.stderr
     assert copy_run(reference, tmp_path / 'again') == files and sorted(os.listdir(out)) == [
-        'best', 'log.jsonl', 'step_000006']
+        '.lock', 'best', 'log.jsonl', 'step_000006']
     os.symlink('step_000099', out / 'ckpt')       # dangling: the same
     p, _ = train(corpus, out, *RUN, check=False)
     assert p.returncode == 1 and (out / 'step_000006' / 'state.json').is_file()

@@ -387,7 +387,7 @@ def test_runs_never_overwrite_a_good_checkpoint(corpus, tmp_path):
     assert sorted(val_losses(records)) == [0, 2, 4] and not (out / 'ckpt.pt').exists()
     assert f'step 2: saved {out}/step_000002 (best val loss so far)' in p.stdout
     assert f'step 4: saved {out}/step_000004 (best val loss so far)' in p.stdout
-    assert sorted(f.name for f in out.iterdir()) == ['best', 'ckpt', 'log.jsonl', 'step_000004']   # step 2: removed
+    assert sorted(f.name for f in out.iterdir()) == ['.lock', 'best', 'ckpt', 'log.jsonl', 'step_000004']  # step 2: gone
     assert os.readlink(out / 'ckpt') == os.readlink(out / 'best') == 'step_000004'   # no second copy on disk
     best_val = val_losses(records)[4]
     assert checkpoint(out)['best_ckpt'] == [4, best_val]
@@ -505,6 +505,10 @@ def test_configurator_overrides_and_errors(monkeypatch, tmp_path):
     # later arguments win over earlier ones, a config file included
     g = configure(monkeypatch, 'config/delta_block_tiny.py', '--residual=standard')
     assert (g['residual'], g['dataset'], g['n_layer']) == ('standard', 'demo', 4)
+    # a wrong type is named against the value the config file set, not train.py's default (10000)
+    with pytest.raises(ValueError, match=r"'max_iters' in the command line must be int \(like its value so far, "
+                                         r"600\), got str 'abc'"):
+        configure(monkeypatch, 'config/delta_block_tiny.py', '--max_iters=abc')
 
 
 # name -> (shape, residual); counts with Qwen3's 151,936-token vocabulary, as in the paper

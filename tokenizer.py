@@ -3,10 +3,8 @@ Tokenizers: the one place that maps a tokenizer name ('byte', 'gpt2' or a Huggin
 encoder, and writes the same tokenizer as files that transformers' AutoTokenizer loads. No torch here:
 prepare_fineweb.py and its worker processes import this file.
 """
-import base64
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import tiktoken
@@ -82,8 +80,7 @@ def get_tokenizer(name):
 def save_hf_tokenizer(name, dest, model_max_length=None):
     """Write tokenizer `name` (see get_tokenizer) into dest as tokenizer.json + tokenizer_config.json,
     which transformers' AutoTokenizer (and so lm-evaluation-harness) loads. A tokenizer.json is copied;
-    the tiktoken tokenizers ('byte', 'gpt2') are converted by transformers' TikTokenConverter, which
-    rebuilds the BPE merges from the ranks (tested: the same ids as tiktoken)."""
+    the tiktoken tokenizers ('byte', 'gpt2') are converted with the `tokenizers` library alone."""
     enc = get_tokenizer(name)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -91,19 +88,36 @@ def save_hf_tokenizer(name, dest, model_max_length=None):
         if Path(enc.name).resolve() != (dest / 'tokenizer.json').resolve():
             shutil.copy(enc.name, dest / 'tokenizer.json')
     else:
-        from tokenizers import AddedToken
-        from transformers.convert_slow_tokenizer import TikTokenConverter
-        with tempfile.TemporaryDirectory() as tmp:   # the converter reads tiktoken's file format
-            ranks = Path(tmp) / 'ranks.tiktoken'
-            ranks.write_text(''.join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in enc._mergeable_ranks.items()))
-            tok = TikTokenConverter(str(ranks), pattern=enc._pat_str).converted()
-        tok.add_special_tokens([AddedToken(t, special=True) for t in enc._special_tokens])   # appended in order
-        if any(tok.token_to_id(t) != i for t, i in enc._special_tokens.items()):
-            raise ValueError(f"tokenizer {name!r}: its special tokens {enc._special_tokens} do not follow its ranks, "
-                             f"so the converted tokenizer would number them differently")
-        tok.save(str(dest / 'tokenizer.json'))
+        tiktoken_as_hf(enc).save(str(dest / 'tokenizer.json'))
     config = {'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': '<|endoftext|>',
               'bos_token': None, 'clean_up_tokenization_spaces': False}
     if model_max_length is not None:
         config['model_max_length'] = model_max_length
     (dest / 'tokenizer_config.json').write_text(json.dumps(config, indent=2) + '\n')
+
+
+def tiktoken_as_hf(enc):
+    """A tiktoken byte-level BPE as a `tokenizers` Tokenizer with the same ids. tokenizers' byte-level BPE spells
+    each byte as a printable character (GPT-2's table, below) and needs a list of merges, which tiktoken keeps only
+    implicitly: it merges any adjacent pair whose concatenation is a token, the lowest-ranked first. So every split
+    of a token into two tokens is a merge, ordered by the rank of the token they make."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    ranks = enc._mergeable_ranks
+    printable = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1), *range(ord('®'), ord('ÿ') + 1)]
+    others = [b for b in range(256) if b not in printable]    # spelled as the characters from 256 on, in order
+    char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+    spell = lambda token: ''.join(char[b] for b in token)
+    splits = sorted((rank, ranks[t[:i]], ranks[t[i:]], t[:i], t[i:]) for t, rank in ranks.items()
+                    for i in range(1, len(t)) if t[:i] in ranks and t[i:] in ranks)
+    merges = [(spell(a), spell(b)) for *_, a, b in splits]
+    tok = Tokenizer(models.BPE({spell(t): r for t, r in ranks.items()}, merges, fuse_unk=False, ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(enc._pat_str), behavior='isolated', invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in enc._special_tokens])
+    if any(tok.token_to_id(t) != i for t, i in enc._special_tokens.items()):
+        raise ValueError(f"tokenizer {enc.name!r}: its special tokens {enc._special_tokens} do not follow its ranks, "
+                         f"so the converted tokenizer would number them differently")
+    return tok

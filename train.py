@@ -22,6 +22,7 @@ import json
 import math
 import os
 import resource
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -35,8 +36,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoints import load_hf
 from data import ShardLoader, load_meta
 from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
-from runs import (CheckpointWriteError, Guard, check_resume, clear, init_distributed, latest, open_log, provenance,
-                  read_state, resume, save_checkpoint, start_or_resume)
+from runs import (CheckpointWriteError, Guard, Stop, check_resume, clear, init_distributed, latest, lock, open_log,
+                  provenance, read_state, resume, save_checkpoint, start_or_resume)
 
 # -----------------------------------------------------------------------------
 # default config values: the paper's 220M standard run
@@ -153,7 +154,8 @@ check_settings({  # setting: (holds?, what is expected); configurator.py
                "'cpu', or 'cuda' / 'cuda:N' on a machine with CUDA" + ('' if torch.cuda.is_available() else
                                                                        ' (this one has none)')),
 })
-# one out_dir, one run: only a resume continues what is there (runs.py)
+# one out_dir, one run: locked for this run's life, and only a resume continues what is there (runs.py)
+out_dir_lock = lock(out_dir) if int(os.environ.get('RANK', 0)) == 0 else None
 auto = init_from == 'auto'
 init_from = start_or_resume(init_from, out_dir, overwrite)
 
@@ -288,11 +290,9 @@ if ddp and not fsdp:
     # broadcast_buffers=False: the only buffers are the RoPE tables, constants that need no re-sending every forward
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
 
-# Every setting, the data, the model and the checkpoint are checked: only now is out_dir touched
-if master:
-    os.makedirs(out_dir, exist_ok=True)
-    if init_from != 'resume':  # (overwrite=True, or there was nothing to overwrite)
-        clear(out_dir)
+# Every setting, the data, the model and the checkpoint are checked: only now is out_dir changed
+if master and init_from != 'resume':  # (overwrite=True, or there was nothing to overwrite)
+    clear(out_dir)
 
 # logging: a compact line on stdout, every number in out_dir/log.jsonl
 log_path = open_log(out_dir, iter_num if init_from == 'resume' else None,
@@ -360,8 +360,9 @@ def routing_summary(stats):
 
 
 def checkpoint(val_loss):
-    """Every rank: write out_dir/step_N and point out_dir/ckpt (and out_dir/best, for the lowest val loss) at it."""
-    is_best = guard.is_best(val_loss)
+    """Every rank: write out_dir/step_N and point out_dir/ckpt (and out_dir/best, for the lowest val loss) at it.
+    val_loss None: a checkpoint without an evaluation (a run stopped by a signal), never the best."""
+    is_best = val_loss is not None and guard.is_best(val_loss)
     state = dict(model_config=asdict(model_config), config=config, meta=meta, iter_num=iter_num,
                  data_pos=train_loader.pos, best_val_loss=guard.best_val_loss,
                  best_ckpt=[iter_num, val_loss] if is_best else guard.best_ckpt, provenance=run_info)
@@ -372,7 +373,8 @@ def checkpoint(val_loss):
     guard.saved(iter_num, val_loss, is_best)
     if master:
         print(f"step {iter_num}: saved {path}" + (" (best val loss so far)" if is_best else
-                                                  f" (best: step {guard.best_ckpt[0]}, val loss {guard.best_ckpt[1]:.4f})"))
+                                                  f" (best: step {guard.best_ckpt[0]}, val loss {guard.best_ckpt[1]:.4f})"
+                                                  if guard.best_ckpt else ""))
 
 
 def ppl(loss):
@@ -401,6 +403,9 @@ def log_step(lossf, lr, grad_norm, dt, stats):
 t0, steps_timed = time.time(), 0
 if device_type == 'cuda':
     torch.cuda.reset_peak_memory_stats()
+stop, signum = Stop(device, master), 0     # SIGTERM / SIGINT: finish the step, checkpoint, exit (runs.py)
+if compile and master:
+    print("torch.compile: the first evaluation and the first training step compile the model (minutes when deep)")
 while True:
     if (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) and \
             not (iter_num == start_iter and init_from == 'resume' and not eval_only):
@@ -415,6 +420,8 @@ while True:
             checkpoint(val_loss)
         t0, steps_timed = time.time(), 0  # don't count evaluation time as training time
     if iter_num >= max_iters or eval_only:
+        break
+    if signum := stop.requested():
         break
 
     lr = get_lr(iter_num)
@@ -445,6 +452,10 @@ while True:
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
     steps_timed += 1
+    if iter_num == start_iter + 1 and master and iter_num % log_interval:   # a sign of life before the first log line
+        loss_sum.item()     # (waits for the device: the time below is the step's)
+        print(f"step {iter_num}: first step took {time.time() - t0:.1f} s" + (" (compiling)" if compile else "")
+              + f"; the next line at step {log_interval * (iter_num // log_interval + 1)}")
 
     if iter_num % log_interval == 0:
         guard.stop_if_skipped(iter_num)
@@ -456,5 +467,16 @@ while True:
         t0, steps_timed = time.time(), 0
         guard.check(iter_num, lossf, 'train loss')
 
+if signum:
+    guard.stop_if_skipped(iter_num)   # never checkpoint after a skipped step
+    if guard.last_ckpt != iter_num:
+        checkpoint(None)
+    if master:
+        print(f"step {iter_num}: stopped by {signal.Signals(signum).name}; continue with the same command and "
+              f"--init_from=auto (or resume)")
 if ddp:
     dist.destroy_process_group()
+if out_dir_lock:
+    out_dir_lock.close()    # (the process's end would release it too; this frees it for a run in the same process)
+if signum:
+    raise SystemExit(128 + signum)   # the signal's conventional exit code
