@@ -50,7 +50,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops, group_passes, two_phase_groups
+from fast_routing import group_passes, two_phase_groups
+from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
 
 # -----------------------------------------------------------------------------
 # settings; defaults are the issue's CPU target shape (d=256, L=12, T=256, batch 4)
@@ -93,13 +94,13 @@ with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sy
 # B x T x d tensor (one read or one write of a source-sized tensor); docs/routing.md derives each term op by op.
 #   route()       per site with N sources: 19N + 3 (stack, RMSNorm of the stack, logits, mix; their backward)
 #   route_fast    the fast path until issue 15: per site 11N + 1 (logits, mix; backward), per source 4 (its 1/rms)
-#   keys + mix    the fast path now (model.Routing): per site 8N + 1 (mix; backward), per source 10 (its logits at
+#   keys + mix    the fast path now (fast_routing.FastRouting): per site 8N + 1 (mix; backward), per source 10 (its logits at
 #                 every later site, one [B*T, d] x [d, sites] product, its 1/rms, and their backward)
-#   two-phase     what model.Routing runs for the sublayer modes: per group of G sites over the n sources completed
+#   two-phase     what fast_routing.FastRouting runs for the sublayer modes: per group of G sites over the n sources completed
 #                 before it 10n + 5G (phase 1, one pass for all G sites: stack and product, their backward, the
 #                 sources' gradients); per site merging the e sources completed since: 10 + 6e (phase 2, h rebuilt);
 #                 per source 10 (its keys, as above); a first site that sees E alone mixes alone (keys + mix). The
-#                 groups are model.two_phase_groups (the sizes that minimise this sum: model.group_passes). The
+#                 groups are fast_routing.two_phase_groups (the sizes that minimise this sum: fast_routing.group_passes). The
 #                 block modes keep keys + mix (a handful of sources per site): their two-phase column is keys + mix.
 TRAFFIC = {
     'route':      dict(site=lambda N: 19 * N + 3, source=0),
@@ -111,7 +112,7 @@ TRAFFIC = {
 def routing_traffic(sites, d, bytes_per_element, two_phase):
     """{schedule: bytes per token} of the routing for route(), route_fast, keys + mix and two-phase, given
     GPT.routing_sites() (each site's completed sources n, and o = 1 if the open block is a source too); two_phase:
-    whether the mode routes in two phases (model.Routing: the sublayer modes), in groups of model.two_phase_groups."""
+    whether the mode routes in two phases (fast_routing: the sublayer modes), in groups of fast_routing.two_phase_groups."""
     n_sources = sites[-1][0]
     passes = {name: sum(t['site'](n + o) for n, o in sites) + t['source'] * n_sources for name, t in TRAFFIC.items()}
     if two_phase:
@@ -222,7 +223,8 @@ def main():
         saved = saved_activation_bytes(model, x, y, ctx)
         fwd = torch.compile(model) if compile and not compile_regional else model
         if compile and compile_regional:
-            model.compile_regional()
+            graphs = model.compile_regional()    # the routing's graphs per function: dynamo's limit must allow them
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
 
         def step(fwd=fwd, optimizer=optimizer):
             with ctx:

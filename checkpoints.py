@@ -36,7 +36,7 @@ ROUTING_FIELDS = ('residual', 'n_blocks', 'res_gate', 'variant')
 # A routed mode's directory has its own model_type, so that transformers without trust_remote_code
 # refuses it instead of loading it as a plain Qwen3 with the routing dropped.
 MODEL_TYPE = 'qwen3_attention_residuals'
-REMOTE_CODE = ('hf_model.py', 'model.py')    # copied into the directory: transformers imports them from there
+REMOTE_CODE = ('hf_model.py', 'model.py', 'fast_routing.py')    # copied into the directory: transformers imports them
 
 # The authors' code (wdlctc/delta-attention-residuals-code, Attention-Residuals/modeling_qwen3_attnres.py)
 # saves model_type 'qwen3_attnres' with its mode in attnres_mode. Its routing tensors are named as ours

@@ -3,28 +3,31 @@ A Qwen3-style decoder with five residual modes: the standard residual stream, Ki
 Residuals (Full and Block AttnRes, arXiv 2603.15031) and Delta Attention Residuals (Delta AttnRes and
 Delta Block, arXiv 2605.18855). One file, read top to bottom:
 
-1. the routing rule (`route`), the papers' core, in a few lines; `keys` and `mix`, the same numbers
-   with each source's logits computed once and activation memory linear in depth; two-phase routing
-   (`_Prefix`, `_Merge`), the same numbers again for the sublayer modes with each source read once per
-   group of sites; `Routing`, the state a forward pass routes with (what GPT.forward uses); and `RoutingOps`, which
-   compiles that math apart for compile_regional;
+1. the routing rule (`route`), the papers' core, in a few lines, and `Routing`, the state a forward pass
+   routes with: its sources and its verbs (complete a source, route a site);
 2. the Qwen3 building blocks (RoPE, grouped-query attention with q/k norms, SwiGLU MLP);
 3. `GPT.forward`, where the five modes are two switches on one loop:
       which sources are routed   (every sublayer's output, or per-block sums), and
       how the routed mix is used (it REPLACES the sublayer input, or is ADDED to the residual stream);
    variant='official' changes only the Delta modes' bookkeeping there, to what the authors' code runs;
 4. the optimizer and MFU helpers.
-It imports nothing of this repo (exported directories carry a copy of it); Hugging Face checkpoints in and
-out: checkpoints.py.
+The speed machinery is in fast_routing.py, which Routing calls: the same numbers as route() with activation memory
+linear in depth and each source read once per group of sites. A reader may skip it; `GPT.fast_routing = False`
+routes with route() alone. model.py and fast_routing.py import nothing else of this repo (exported directories
+carry both); Hugging Face checkpoints in and out: checkpoints.py.
 """
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+try:    # inside an exported Hugging Face directory, which transformers imports as a package
+    from .fast_routing import EAGER, FastRouting, RoutingOps, two_phase_groups
+except ImportError:
+    from fast_routing import EAGER, FastRouting, RoutingOps, two_phase_groups
 
 # residual mode -> (source granularity, how the routed mix enters the sublayer input)
 RESIDUAL_MODES = {
@@ -99,232 +102,6 @@ def route(sources, proj, norm):
     return torch.einsum('nbt,nbtd->btd', alpha.to(V.dtype), V), alpha
 
 
-# The same routing without its costs. route() stacks the N sources at every site, and autograd keeps that
-# stack (and RMSNorm's input and output, more copies of it) for the backward pass: with a site per sublayer
-# that is O(L^2) activation memory, and most of the papers' measured cost of Delta AttnRes. The logit splits
-# into a part per site and a part per source:
-#
-#     w . RMSNorm_g(s_i) = (w * g) . s_i * r_i,     r_i = 1/rms(s_i) = rsqrt(mean(s_i^2) + eps)
-#
-# u = w * g is a parameter of the site, known before the forward pass. So when a source is completed, its
-# logits at every later site are one product (`keys`: z_i = (s_i @ U^T) * r_i, U = the u of those sites), and
-# a site only mixes (`mix`): out = sum_i softmax_i(z_i[site]) s_i, with plain autograd ops that keep the sources
-# themselves for backward (no stack, no copies): each source is kept once, whatever the number of sites that
-# read it. The fast path is tested equal to route() in values and gradients (test_bench.py).
-
-def rms_inv(s, eps):
-    """1/rms(s) over the last dim, in fp32. vector_norm saves s itself (not an fp32 copy) for backward."""
-    return torch.rsqrt(torch.linalg.vector_norm(s, dim=-1, dtype=torch.float32).square() / s.shape[-1] + eps)
-
-
-def keys(s, U, eps, ops=None):
-    """(B, T, sites) fp32: source s's logit at each site whose u = w * g is a row of U."""
-    ops = ops or EAGER
-    r = rms_inv(s, eps)
-    if torch.is_grad_enabled() and (s.requires_grad or U.requires_grad):
-        return _Keys.apply(s, U, r, ops)
-    # nothing to differentiate (evaluation, sampling): the same math, saving nothing
-    with torch.autocast(s.device.type, enabled=False):
-        return ops.keys(s, U, r)
-
-
-def _keys(s, U, r):
-    return (s.float() @ U.float().T) * r.unsqueeze(-1)                      # (B, T, sites)
-
-
-def _keys_grad(s, U, r, g):
-    dots = s.float() @ U.float().T                                          # recomputed: one read of s
-    g_dots = g * r.unsqueeze(-1)
-    g_s = (g_dots @ U.float()).to(s.dtype)
-    g_U = (g_dots.reshape(-1, g.shape[-1]).T @ s.reshape(-1, s.shape[-1]).float()).to(U.dtype)
-    return g_s, g_U, (g * dots).sum(-1)
-
-
-class _Keys(torch.autograd.Function):
-    # z = (s @ U^T) * r in fp32, under autocast too (the logits decide the weights), saving s itself for backward:
-    # plain ops would save an fp32 copy of a BF16 source, and the sources are most of what routing keeps.
-
-    @staticmethod
-    def forward(ctx, s, U, r, ops):
-        ctx.save_for_backward(s, U, r)
-        ctx.ops = ops
-        with torch.autocast(s.device.type, enabled=False):
-            return ops.keys(s, U, r)
-
-    @staticmethod
-    def backward(ctx, g):
-        with torch.autocast(g.device.type, enabled=False):
-            return *ctx.ops.keys_grad(*ctx.saved_tensors, g), None
-
-
-def mix(logits, sources):
-    """(sum_i alpha_i s_i, alpha), alpha = softmax over the N sources of logits (N, B, T), in fp32."""
-    alpha = logits.softmax(dim=0)
-    out = alpha[0].unsqueeze(-1) * sources[0]
-    for a, s in zip(alpha[1:], sources[1:]):
-        out = torch.addcmul(out, a.unsqueeze(-1), s)
-    return out, alpha
-
-
-# Two-phase routing (the sublayer modes: a site per sublayer, every earlier sublayer's output a source, O(L^2) reads
-# in the mix above). The sites come in groups (chosen below). Phase 1, at a group's first site: the sources
-# completed so far, mixed for every site of the group in one pass, o_k = sum_i beta_ki s_i with beta_k = softmax of
-# their logits at site k, and lse_k = logsumexp of those logits. Phase 2, at each site k: the few sources completed
-# since join in, as if o_k were one more source with logit lse_k,
-#
-#     (c, a_1..a_e) = softmax(lse_k, z_1..z_e),    out = c * o_k + sum_j a_j s_j,    x = h + gate * out  (or x = out)
-#
-# which is exactly softmax over all of the site's logits. Backward, every logit's gradient is
-# alpha_i * (<s_i, dL/dout> - m) with m = <out, dL/dout>, and m comes from what the sublayer's RMSNorm keeps
-# anyway: x (replace: out = x; add: out * gate = x - h, with h rebuilt from the group's first h and the sources
-# completed since, the same additions in the same order). Phase 2 runs its backward first but cannot compute
-# phase 1's sources' part, so the two Functions agree on what flows between them: phase 2 returns -c * m as the
-# "gradient" of lse_k and c * dL/dx as that of o_k (without the gate), and phase 1 finishes the logits' gradients
-# from the products it computes anyway (docs/routing.md). Saved: the sources (once), the group's first h, the
-# weights; no per-site copy.
-
-# The groups: a group of G sites whose first site mixes n sources costs, per token of a training step, about
-# 10n + 5G passes over a B x T x d tensor for phase 1 (forward and backward) and 10 + 6e for phase 2 at each site
-# that merges e sources (bench.py's traffic model, derived op by op in docs/routing.md). Large groups re-read the
-# sources less often, small ones merge fewer: the groups that minimise the sum grow with depth, about sqrt(10n/3)
-# sites (Delta AttnRes at 36 layers: 3, 5, 6, 8, 10, 11, 13, 15), and cost 9% less than groups of a constant
-# sqrt(sites).
-
-def group_passes(n):
-    """Modelled traffic of one group of two-phase sites, n = the sources each of them mixes, in order."""
-    return 10 * n[0] + 5 * len(n) + sum(10 + 6 * (m - n[0]) for m in n)
-
-
-def two_phase_groups(n):
-    """The sizes of the groups, in order, that minimise the summed group_passes of sites mixing n[0], n[1], ...
-    sources (dynamic programming over where the last group starts)."""
-    best, start = [0] + [math.inf] * len(n), [0] * (len(n) + 1)    # the cheapest schedule of the first b sites
-    for b in range(1, len(n) + 1):
-        best[b], start[b] = min((best[a] + group_passes(n[a:b]), a) for a in range(b))
-    sizes, b = [], len(n)
-    while b:
-        sizes.append(b - start[b])
-        b = start[b]
-    return sizes[::-1]
-
-
-def _promoted(tensors):
-    return functools.reduce(torch.promote_types, [t.dtype for t in tensors])
-
-
-def _stack(sources):
-    dtype = _promoted(sources)
-    return torch.stack([s.to(dtype) for s in sources], -2)                          # (B, T, N, d)
-
-
-def _prefix(Z, S):
-    """Phase 1: Z (B, T, G, N) fp32 logits of N sources S (B, T, N, d) at G sites -> o (B, T, G, d), beta, lse (B, T, G)."""
-    beta = Z.softmax(-1)
-    return beta.to(S.dtype) @ S, beta, Z.logsumexp(-1)
-
-
-def _prefix_grad(beta, gates, S, dO, lam):
-    """Phase 1 backward: dO (B, T, G, d) = c * dL/dx per site, lam (B, T, G) = -c * m per site -> dZ, dgates, dS."""
-    D = (dO @ S.transpose(-1, -2)).float()                                          # <s_i, c dL/dx>  (B, T, G, N)
-    g = 1 if gates is None else gates.float()[:, None]
-    dZ = beta * (g * D + lam.unsqueeze(-1))                                         # alpha_i (<s_i, dL/dout> - m)
-    dS = (beta * g).to(S.dtype).transpose(-1, -2) @ dO                              # (B, T, N, d)
-    return dZ, None if gates is None else (beta * D).sum((0, 1, 3)).to(gates.dtype), dS
-
-
-def _merge(o, lse, z, h, gate, inner):
-    """Phase 2: o, lse of the site; z (B, T, e) logits of the e sources completed since (inner); h the group's first
-    residual stream (None: replace) -> x, the weights (c, a_1..a_e)."""
-    w = torch.cat([lse.unsqueeze(-1), z], -1).softmax(-1)                         # (c, a_1..a_e)
-    out = w[..., :1] * o
-    for j, s in enumerate(inner):
-        out = torch.addcmul(out, w[..., j + 1:j + 2], s)
-    out = out.to(_promoted([o, *inner]))
-    if h is None:
-        return out, w                                                               # replace: x = out
-    h = sum(inner, h)                        # h at this site: the model's own additions, in its order (same bits)
-    return h + (out if gate is None else gate * out), w
-
-
-def _merge_grad(x, w, h, gate, inner, gx):
-    """Phase 2 backward -> the gradients of o, lse, z, h, gate (this phase's part) and the inner sources."""
-    dot = lambda a, b: torch.linalg.vecdot(a.float(), b.float())
-    m = dot(x, gx) if h is None else dot(x - sum(inner, h), gx)   # m = <out, dL/dout>: replace, out = x; add, gate * out = x - h
-    gout = gx if gate is None else gate * gx
-    c, a = w[..., 0], w[..., 1:]
-    Dx = torch.stack([dot(s, gx) for s in inner], -1) if inner else torch.zeros_like(a)    # (B, T, e)
-    dz = a * ((Dx if gate is None else gate.float() * Dx) - m.unsqueeze(-1))
-    # h = (the group's first h) + the inner sources: dL/dx reaches them both ways in the additive modes
-    dinner = [(a[..., j:j + 1] * gout + (0 if h is None else gx)).to(s.dtype) for j, s in enumerate(inner)]
-    dgate = None if gate is None else (a * Dx).sum().reshape(gate.shape).to(gate.dtype)  # this phase's part
-    return c.unsqueeze(-1).to(gx.dtype) * gx, -c * m, dz, None if h is None else gx, dgate, *dinner
-
-
-class _Prefix(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, Z, gates, ops, *sources):
-        with torch.autocast(Z.device.type, enabled=False):
-            o, beta, lse = ops.prefix(Z, _stack(sources))
-        ctx.save_for_backward(beta, gates, *sources)
-        ctx.ops = ops
-        return (*o.unbind(-2), *lse.unbind(-1))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        beta, gates, *sources = ctx.saved_tensors
-        G = beta.shape[-2]
-        with torch.autocast(beta.device.type, enabled=False):
-            S = _stack(sources)
-            dO, lam = torch.stack(grads[:G], -2).to(S.dtype), torch.stack(grads[G:], -1)
-            dZ, dgates, dS = ctx.ops.prefix_grad(beta, gates, S, dO, lam)
-        return (dZ, dgates, None, *(d.to(s.dtype) for d, s in zip(dS.unbind(-2), sources)))
-
-
-class _Merge(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, o, lse, z, h, gate, ops, *inner):
-        with torch.autocast(o.device.type, enabled=False):
-            x, w = ops.merge(o, lse, z, h, gate, inner)
-        ctx.save_for_backward(x, w, h, gate, *inner)
-        ctx.ops = ops
-        return x
-
-    @staticmethod
-    def backward(ctx, gx):
-        x, w, h, gate, *inner = ctx.saved_tensors
-        with torch.autocast(gx.device.type, enabled=False):
-            do, dlse, dz, dh, dgate, *dinner = ctx.ops.merge_grad(x, w, h, gate, inner, gx)
-        return do, dlse, dz, dh, dgate, None, *dinner
-
-
-class RoutingOps:
-    """The routing's tensor math, which the Functions above and Routing call: as written (EAGER, and inside a model
-    compiled whole, where it fuses with its neighbours), or each function compiled on its own with dynamic shapes
-    (GPT.compile_regional): then the numbers of sources and sites are symbols in the graphs, not constants, and
-    however deep the model its routing sites share a few graphs (one per number of sources a site merges in phase 2
-    or mixes, which grows with the largest group: about sqrt(depth), not depth^2)."""
-
-    def __init__(self, compiled=False):
-        # Inside the Functions the math needs no autograd: its inputs go in detached, so that training and evaluation
-        # run one graph (dynamo would compile another for inputs that require grad). mix is differentiated through.
-        wrap = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compiled else (lambda f: f)
-        self.mix = wrap(mix)
-        for name, f in (('keys', _keys), ('keys_grad', _keys_grad), ('prefix', _prefix),
-                        ('prefix_grad', _prefix_grad), ('merge', _merge), ('merge_grad', _merge_grad)):
-            setattr(self, name, functools.partial(_detached, wrap(f)) if compiled else f)
-
-
-def _detached(f, *args):
-    def detach(a):
-        if isinstance(a, (list, tuple)):
-            return type(a)(map(detach, a))
-        return a.detach() if isinstance(a, torch.Tensor) else a
-    return f(*map(detach, args))
-
-
-EAGER = RoutingOps()
-
-
 def routing_stats(alpha):
     """The papers' diagnostics for one site: how peaked the weights are, and where they go."""
     return {
@@ -338,27 +115,19 @@ class Routing:
     """The routing state of one forward pass, passed explicitly through GPT.forward's loop:
         sources    the completed sources, in order ([E, v_0, v_1, ...] or [E, b_1, b_2, ...])
         block      the block modes' open block: the running sum of its sublayer outputs, or None
-        keys       fast path: [(first site, keys(source))] of each completed source, its logits at every later site
-        phase1     two-phase routing: (first site, size, number of sources, h) of the open group, its phase-1 result
     and four verbs: complete(s) adds a source, add_to_block(v) / close_block() keep the open block,
     route(name, proj, norm, h, gate) routes the next site and returns its sublayer input.
-    sites: [(proj, norm, gate)] of every routing site in forward order (their u = w * g, for the keys); fast=False
-    routes with the plain route() instead; groups (the sublayer modes): route in two phases, in groups of these
-    sizes (two_phase_groups) over the sites that mix more than one source."""
+    fast: a fast_routing.FastRouting for these sites, which computes the same numbers with less memory and traffic,
+    or None: route() itself at every site. stats: a dict to fill with each site's routing_stats, or None."""
 
-    def __init__(self, sites, eps, fast=True, groups=None, stats=None, ops=EAGER):
-        self.ops = ops          # the routing math: EAGER, or compiled once for every site (GPT.compile_regional)
-        self.sources, self.block, self.keys, self.next_site, self.phase1 = [], None, [], 0, None
-        self.U = torch.stack([p.weight[0] * n.weight for p, n, _ in sites]) if fast and sites else None
-        self.gates = [g for _, _, g in sites]
-        self.groups = iter(groups) if fast and groups else None
-        self.eps, self.fast, self.stats = eps, fast, stats     # stats: a dict to fill with routing_stats, or None
+    def __init__(self, fast=None, stats=None):
+        self.sources, self.block, self.next_site = [], None, 0
+        self.fast, self.stats = fast, stats
 
     def complete(self, s):
         self.sources.append(s)
-        if self.U is not None and self.next_site < len(self.U):     # (a source no later site reads needs no keys)
-            # (contiguous: a slice's offset would be one more shape for the compiled ops to specialise on)
-            self.keys.append((self.next_site, keys(s, self.U[self.next_site:].contiguous(), self.eps, self.ops)))
+        if self.fast is not None:
+            self.fast.add(s, self.next_site)
 
     def add_to_block(self, v):
         self.block = v if self.block is None else self.block + v
@@ -371,48 +140,15 @@ class Routing:
     def route(self, name, proj, norm, h=None, gate=None):
         """The next site's sublayer input: the routed mix (replace: h=None), or h + gate * mix (add; gate None: 1)."""
         k, self.next_site = self.next_site, self.next_site + 1
-        if self.groups is not None and len(self.sources) > 1:   # (a site that sees E only has nothing to share)
-            x, alpha = self.two_phase(k, h, gate), None
+        if self.fast is not None:
+            x, alpha = self.fast.route(k, self.sources, self.block, h, gate)
         else:
-            srcs = self.sources + ([] if self.block is None else [self.block])
-            if self.fast:
-                logits = [z[..., k - first] for first, z in self.keys]
-                if self.block is not None:      # the open block changes at every site: its logit here only
-                    logits.append(keys(self.block, self.U[k:k + 1], self.eps, self.ops)[..., 0])
-                out, alpha = self.ops.mix(torch.stack(logits), srcs)
-                out = out.to(torch.get_autocast_dtype(out.device.type) if torch.is_autocast_enabled(out.device.type)
-                             else _promoted(srcs))                                          # route()'s dtype
-            else:
-                out, alpha = route(srcs, proj, norm)
+            out, alpha = route(self.sources + ([] if self.block is None else [self.block]), proj, norm)
             x = out if h is None else h + (out if gate is None else gate * out)
         if self.stats is not None:
             with torch.no_grad():
-                if alpha is None:       # two-phase: the site's weights over all of its sources, for the statistics
-                    alpha = torch.stack([z[..., k - first] for first, z in self.keys]).softmax(0)
-                self.stats[name] = routing_stats(alpha)
+                self.stats[name] = routing_stats(self.fast.weights(k) if alpha is None else alpha)
         return x
-
-    def two_phase(self, k, h, gate):
-        # the Functions where there is something to differentiate; else (evaluation, sampling) the math, saving nothing
-        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*self.sources, self.U, h, gate))
-        if self.phase1 is None or k == self.phase1[0] + self.phase1[1]:     # phase 1, at a group's first site
-            G = next(self.groups)
-            Z = torch.stack([z[..., k - first:k - first + G] for first, z in self.keys], -1)     # (B, T, G, N)
-            gates = None if gate is None else torch.cat(self.gates[k:k + G])
-            if grad:
-                res = _Prefix.apply(Z, gates, self.ops, *self.sources)
-                o, lse = res[:G], res[G:]
-            else:
-                o, _, lse = self.ops.prefix(Z, _stack(self.sources))
-                o, lse = o.unbind(-2), lse.unbind(-1)
-            self.phase1 = (k, G, len(self.sources), h, o, lse)
-        first, _, n, h0, o, lse = self.phase1
-        inner = self.sources[n:]                                    # completed inside the group
-        z = (torch.stack([zi[..., k - f] for f, zi in self.keys[n:]], -1) if inner
-             else lse[0].new_zeros(*lse[0].shape, 0))
-        if grad:
-            return _Merge.apply(o[k - first], lse[k - first], z, h0, gate, self.ops, *inner)
-        return self.ops.merge(o[k - first], lse[k - first], z, h0, gate, tuple(inner))[0]   # (a tuple, as in _Merge)
 
 
 # -----------------------------------------------------------------------------
@@ -597,8 +333,9 @@ class GPT(nn.Module):
         replace, site_stats = self.mixing == 'replace', {}
         E = self.embed_tokens(idx)
         h = E                   # the ordinary residual stream (standard and Delta modes)
-        routing = Routing(self.routing_parameters(), self.config.rms_norm_eps, self.fast_routing,
-                          self.routing_groups, site_stats if stats else None, self.routing_ops)
+        fast = (FastRouting(self.routing_parameters(), self.config.rms_norm_eps, self.routing_groups, self.routing_ops)
+                if self.fast_routing else None)
+        routing = Routing(fast, site_stats if stats else None)
         if not official:
             routing.complete(E)
         for i, layer in enumerate(self.layers):
@@ -656,15 +393,15 @@ class GPT(nn.Module):
     def compile_regional(self):
         """torch.compile each layer's attention and MLP, not the whole forward: one graph for all attention units and
         one for all MLPs, however deep the model; and the routing math (RoutingOps) on its own, with dynamic shapes, so
-        that the routing sites share a few graphs too. The glue between them runs eagerly (train.py, bench.py)."""
+        that the routing sites share a few graphs too. The glue between them runs eagerly (train.py, bench.py).
+        Returns how many graphs the routing may compile per function: one per number of sources merged (up to the
+        largest group) or mixed, with and without gradients. dynamo's default recompile limit (8) would send the rest
+        to eager, so the caller raises torch._dynamo.config.recompile_limit to it (a process-wide setting)."""
         for layer in self.layers:
             for unit in (layer.self_attn, layer.mlp):
                 unit.compile(fullgraph=True)
         self.routing_ops = RoutingOps(compiled=True)
-        # the routing's graphs: one per number of sources merged (up to the largest group) or mixed (with and without
-        # gradients); dynamo's default limit (8 per function) would send the rest to eager
-        limit = 2 * (max(self.routing_groups or [1]) + self.config.n_blocks + 2)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        return 2 * (max(self.routing_groups or [1]) + self.config.n_blocks + 2)
 
     def routing_parameters(self):
         """[(pseudo-query, key norm, gate or None)] of every routing site, in forward order."""

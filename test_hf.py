@@ -40,7 +40,7 @@ def test_every_mode_round_trips_through_transformers(tmp_path, mode):
     assert type(hf).__name__ == ('Qwen3ForCausalLM' if mode == 'standard' else 'GPTForCausalLM')
     if mode != 'standard':
         assert asdict(hf.model.config) == asdict(model.config)   # (a GPTConfig of the copied model.py)
-        assert sorted(p.name for p in tmp_path.glob('*.py')) == ['hf_model.py', 'model.py']
+        assert sorted(p.name for p in tmp_path.glob('*.py')) == ['fast_routing.py', 'hf_model.py', 'model.py']
         assert (tmp_path / 'model.py').read_text() == (Path(__file__).parent / 'model.py').read_text()
     idx = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

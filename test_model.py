@@ -497,13 +497,18 @@ if __name__ == '__main__':
 
 
 def test_model_imports_nothing_of_the_repo():
-    # an exported directory carries a copy of model.py as transformers remote code, where no other file of this
-    # repo can be imported: every import in it (at any depth) must name an installed package
+    # an exported directory carries copies of model.py and fast_routing.py as transformers remote code
+    # (checkpoints.REMOTE_CODE), where no other file of this repo can be imported: every import in them (at any
+    # depth) must name an installed package or one of the two
     import ast
     from pathlib import Path
+    from checkpoints import REMOTE_CODE
     here = Path(__file__).parent
-    ours = {p.stem for p in here.glob('*.py')}
-    tree = ast.parse((here / 'model.py').read_text())
-    names = {a.name.split('.')[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    names |= {n.module.split('.')[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert names and not names & ours, names & ours
+    carried = {'model', 'fast_routing'}
+    assert {f'{m}.py' for m in carried} <= set(REMOTE_CODE)
+    ours = {p.stem for p in here.glob('*.py')} - carried
+    for name in carried:
+        tree = ast.parse((here / f'{name}.py').read_text())
+        names = {a.name.split('.')[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module.split('.')[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert names and not names & ours, (name, names & ours)

@@ -260,7 +260,8 @@ if compile and (compile_regional or fsdp):
     # cannot trace its hooks, so the model compiled as a whole would break its graph at every sharded unit and
     # recompile the code between units for each routing site's source count. Without FSDP it trades speed for compile
     # time (docs/training.md).
-    model.compile_regional()
+    graphs = model.compile_regional()    # the routing's graphs per function: dynamo's limit must allow them
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
 if fsdp:
     from torch.distributed.fsdp import fully_shard
     for layer in model.layers:
