@@ -4,12 +4,13 @@ Residuals (Full and Block AttnRes, arXiv 2603.15031) and Delta Attention Residua
 Delta Block, arXiv 2605.18855). One file, read top to bottom:
 
 1. the routing rule (`route`), the papers' core, in a few lines, and `Routing`, the state a forward pass
-   routes with: its sources and its verbs (complete a source, route a site);
+   routes with: its sources and its verbs (start, route a site, a sublayer done); `OfficialRouting`, the
+   bookkeeping of the authors' code (variant='official'), in a few lines of its own;
 2. the Qwen3 building blocks (RoPE, grouped-query attention with q/k norms, SwiGLU MLP);
 3. `GPT.forward`, where the five modes are two switches on one loop:
       which sources are routed   (every sublayer's output, or per-block sums), and
       how the routed mix is used (it REPLACES the sublayer input, or is ADDED to the residual stream);
-   variant='official' changes only the Delta modes' bookkeeping there, to what the authors' code runs;
+   the loop is the same for every mode and variant: routing.route before a sublayer, routing.done after it;
 4. the optimizer and MFU helpers.
 The speed machinery is in fast_routing.py, which Routing calls: the same numbers as route() with activation memory
 linear in depth and each source read once per group of sites. A reader may skip it; `GPT.fast_routing = False`
@@ -115,13 +116,19 @@ class Routing:
     """The routing state of one forward pass, passed explicitly through GPT.forward's loop:
         sources    the completed sources, in order ([E, v_0, v_1, ...] or [E, b_1, b_2, ...])
         block      the block modes' open block: the running sum of its sublayer outputs, or None
-    and four verbs: complete(s) adds a source, add_to_block(v) / close_block() keep the open block,
-    route(name, proj, norm, h, gate) routes the next site and returns its sublayer input.
+        last       the last sublayer's output (i, kind, v), which joins them when the next site routes
+    and the three verbs the loop calls in every mode:
+        start(E)                          the embedding is the first source
+        route(name, proj, norm, h, gate)  the next site's sublayer input
+        done(i, kind, v, h)               sublayer (i, kind) read h and returned v: v is a source for every later
+                                          site (sublayer modes), or joins the open block, which is a source once
+                                          the block is complete (block modes)
     fast: a fast_routing.FastRouting for these sites, which computes the same numbers with less memory and traffic,
     or None: route() itself at every site. stats: a dict to fill with each site's routing_stats, or None."""
 
-    def __init__(self, fast=None, stats=None):
-        self.sources, self.block, self.next_site = [], None, 0
+    def __init__(self, config, fast=None, stats=None):
+        self.granularity, self.n_layer, self.lpb = RESIDUAL_MODES[config.residual][0], config.n_layer, config.layers_per_block
+        self.sources, self.block, self.last, self.next_site = [], None, None, 0
         self.fast, self.stats = fast, stats
 
     def complete(self, s):
@@ -129,16 +136,29 @@ class Routing:
         if self.fast is not None:
             self.fast.add(s, self.next_site)
 
-    def add_to_block(self, v):
-        self.block = v if self.block is None else self.block + v
+    def start(self, E):
+        self.complete(E)
 
-    def close_block(self):
-        if self.block is not None:
-            self.complete(self.block)
-            self.block = None
+    def done(self, i, kind, v, h):
+        self.last = (i, kind, v)
+
+    def _take_last(self):
+        """The last sublayer's output joins the sources (or the open block) before the next site routes: after the
+        loop's h <- h + v, the order of operations the model has always had (its gradients stay the same bits)."""
+        if self.last is None:
+            return
+        (i, kind, v), self.last = self.last, None
+        if self.granularity == 'sublayer':
+            self.complete(v)
+        else:
+            self.block = v if self.block is None else self.block + v        # = h(now) - h(block start) in Delta Block
+            if kind == 'mlp' and (i + 1) % self.lpb == 0 and i + 1 < self.n_layer:
+                self.complete(self.block)                                   # the block is complete
+                self.block = None
 
     def route(self, name, proj, norm, h=None, gate=None):
         """The next site's sublayer input: the routed mix (replace: h=None), or h + gate * mix (add; gate None: 1)."""
+        self._take_last()
         k, self.next_site = self.next_site, self.next_site + 1
         if self.fast is not None:
             x, alpha = self.fast.route(k, self.sources, self.block, h, gate)
@@ -149,6 +169,23 @@ class Routing:
             with torch.no_grad():
                 self.stats[name] = routing_stats(self.fast.weights(k) if alpha is None else alpha)
         return x
+
+
+class OfficialRouting(Routing):
+    """variant='official': the bookkeeping of the authors' code for the two Delta modes, which produced the paper's
+    numbers (docs/fidelity.md). E is not a source from the start; a block becomes a source only after the next
+    block's first attention has routed without it, and as h - (the previous source) rather than the block's delta,
+    the first such source being E itself; Delta Block's open block is no source. Delta AttnRes is one block of all
+    layers here: E becomes a source after the first attention, which is not routed."""
+
+    def start(self, E):
+        pass
+
+    def done(self, i, kind, v, h):
+        if kind == 'attn' and i % (self.lpb if self.granularity == 'block' else self.n_layer) == 0:
+            self.complete(h - self.sources[-1] if self.sources else h)     # h: the stream this attention read
+        if self.granularity == 'sublayer':
+            self.last = (i, kind, v)
 
 
 # -----------------------------------------------------------------------------
@@ -327,38 +364,23 @@ class GPT(nn.Module):
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
         cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
-        official = self.config.official
-        # the layers that open a block (sublayer modes: only the first layer, for the official variant)
-        lpb = self.config.layers_per_block if self.granularity == 'block' else self.config.n_layer
         replace, site_stats = self.mixing == 'replace', {}
         E = self.embed_tokens(idx)
         h = E                   # the ordinary residual stream (standard and Delta modes)
         fast = (FastRouting(self.routing_parameters(), self.config.rms_norm_eps, self.routing_groups, self.routing_ops)
                 if self.fast_routing else None)
-        routing = Routing(fast, site_stats if stats else None)
-        if not official:
-            routing.complete(E)
+        routing = (OfficialRouting if self.config.official else Routing)(self.config, fast, site_stats if stats else None)
+        routing.start(E)
         for i, layer in enumerate(self.layers):
             for kind, f, proj, norm, gate in layer.sublayers(cos, sin, None if kv_cache is None else kv_cache.layers[i]):
-                opens_block = kind == 'attn' and i % lpb == 0
-                if self.granularity == 'block' and opens_block and not official:
-                    routing.close_block()                              # block boundary
                 if proj is None:
                     x = h                                              # no routing site here
                 else:
                     x = routing.route(f'layers.{i}.{kind}', proj, norm, None if replace else h, gate)
                 v = f(x)
-                if official and opens_block:
-                    # The authors' code (variant='official') closes a block only now, after the next
-                    # block's first attention has routed without it, and stores h - (previous source)
-                    # instead of the block's delta; the first such source is E itself.
-                    routing.complete(h - routing.sources[-1] if routing.sources else h)
+                routing.done(i, kind, v, h)
                 if not replace:
                     h = h + v                                          # the residual stream is kept
-                if self.granularity == 'sublayer':
-                    routing.complete(v)
-                elif self.granularity == 'block' and not official:     # official: the open block is no source
-                    routing.add_to_block(v)                            # = h(now) - h(block start) in Delta Block
         if replace:
             h = routing.route('final', self.final_res_proj, self.final_res_norm)
 
