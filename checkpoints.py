@@ -9,7 +9,6 @@ report.py). model.py is the model's math; this file is the formats (tokenizers: 
 - train.py checkpoints (runs.py's format): load_model(init_from, out_dir), load_trained(path).
 """
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -154,8 +153,6 @@ def load_hf(path, identity_init=False, **overrides):
         raise ValueError(f"{path} does not match a Qwen3 model of this shape: missing tensors {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}")
     for k, t in tensors.items():
-        if k.endswith('_res_gate'):
-            tensors[k] = t = t.reshape(-1)      # 0-dim in directories written before the gates were 1-dim
         if t.shape != own[k].shape:
             raise ValueError(f"tensor {k} has shape {tuple(t.shape)} in {path}, expected {tuple(own[k].shape)}")
     with torch.no_grad():
@@ -211,17 +208,15 @@ def save_hf(model, path, dtype=None):
 # train.py checkpoints and Hugging Face directories, for the scripts
 
 def trained_checkpoint(out_dir):
-    """The checkpoint a train.py out_dir continues from (runs.latest), or the ckpt.pt of runs from before the
-    sharded format."""
-    path = latest(out_dir) or os.path.join(out_dir, 'ckpt.pt')
-    if os.path.exists(path):
+    """The checkpoint a train.py out_dir continues from (runs.latest)."""
+    if path := latest(out_dir):
         return path
     raise FileNotFoundError(f"no checkpoint in {out_dir} (out_dir/ckpt); train one with train.py or pass "
                             f"--init_from=<checkpoint dir>")
 
 
 def load_trained(path, residual=None, n_blocks=None):
-    """A train.py checkpoint (a folder such as out_dir/ckpt or out_dir/best, or an older ckpt.pt file), read safely
+    """A train.py checkpoint (a folder such as out_dir/ckpt or out_dir/best), read safely
     (runs.read_checkpoint) -> (model, the name of its dataset's tokenizer)."""
     ckpt = read_checkpoint(path)  # a cut-short, corrupt or unsafe checkpoint: an error naming it and what to do
     cfg = GPTConfig(**ckpt['model_config'])

@@ -33,7 +33,7 @@ def transformers_dir(path, tmp, tokenizer=None):
     """A directory that transformers loads as this model: `path` itself when it is one (a Qwen3
     checkpoint, an export with remote code), else the model written to tmp by save_hf."""
     path = Path(path)
-    trained = latest(str(path)) is not None or (path / 'ckpt.pt').is_file()     # a train.py out_dir
+    trained = latest(str(path)) is not None     # a train.py out_dir
     if (path / 'config.json').is_file() and not trained:
         hf = json.loads((path / 'config.json').read_text())
         plain = hf.get('model_type') == 'qwen3' and (hf.get(ROUTING_CONFIG_KEY) or {}).get('residual', 'standard') == 'standard'

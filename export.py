@@ -3,8 +3,7 @@ Export a train.py checkpoint to a Hugging Face directory (config.json + model.sa
 tokenizer as tokenizer.json + tokenizer_config.json), which transformers, checkpoints.load_hf and sample.py load:
 
     python export.py out/finetune_qwen3_0.6b_delta_block/ckpt exported/qwen3_0.6b_delta_block
-(out_dir/ckpt is the latest checkpoint, out_dir/best the best validation loss's; a ckpt.pt from before the sharded
-format works too).
+(out_dir/ckpt is the latest checkpoint, out_dir/best the best validation loss's).
 
 A 'standard' model becomes a plain Qwen3 checkpoint that transformers' Qwen3ForCausalLM loads. A routed
 mode becomes a transformers model with remote code (hf_model.py and model.py, copied along):
@@ -45,7 +44,7 @@ def export(ckpt_path, dest, dtype=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('ckpt', help='a train.py checkpoint: out_dir/ckpt, out_dir/best (or an older out_dir/ckpt.pt)')
+    ap.add_argument('ckpt', help='a train.py checkpoint: out_dir/ckpt or out_dir/best')
     ap.add_argument('dest', help='directory to write (must not exist)')
     ap.add_argument('--dtype', choices=['float32', 'bfloat16'], help='default: as trained (float32 master weights)')
     args = ap.parse_args(argv)

@@ -289,13 +289,6 @@ class Layer(nn.Module):
                 # Shape (1,), not a 0-dim scalar: FSDP2 shards every parameter along dim 0 and refuses scalars.
                 self.register_parameter(f'{kind}_res_gate', nn.Parameter(torch.ones(1)))
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # checkpoints written before the gates became 1-dim hold them as 0-dim scalars: the same value
-        for kind in ('attn', 'mlp'):
-            if state_dict.get(key := f'{prefix}{kind}_res_gate') is not None:
-                state_dict[key] = state_dict[key].reshape(1)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     def sublayers(self, cos, sin, kv=None):
         """(name, f, query, key norm, gate) for the attention and the MLP sublayer, in order; the routing
         parts are None where the mode has none (the gate exists only with res_gate=True)."""

@@ -42,7 +42,7 @@ import torch
 
 from checkpoints import trained_checkpoint
 from model import RESIDUAL_MODES
-from runs import read_checkpoint, read_state
+from runs import read_state
 
 # Settings that name or label a run without changing what it computes: runs differing only in these are seeds
 # of one experiment. `seed` sets the initial weights and the data order (data.ShardLoader).
@@ -68,8 +68,7 @@ def load_run(path):
                                 f"--save_runs (RUN.json)")
     ckpt = trained_checkpoint(str(run_dir))
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    # the settings: a checkpoint folder's state.json, or an older ckpt.pt read safely (its weights only mapped)
-    config = (read_state(ckpt) if os.path.isdir(ckpt) else read_checkpoint(ckpt))['config']
+    config = read_state(ckpt)['config']     # the settings: the checkpoint's state.json
     # its wall time, where the script that ran it wrote one (results/study_runs.sh: OUT_DIR/seconds)
     seconds = float((run_dir / 'seconds').read_text()) if (run_dir / 'seconds').is_file() else None
     return make_run(str(run_dir), config, records, seconds)

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 import warnings
-import zipfile
 
 import torch
 import torch.distributed as dist
@@ -184,8 +183,7 @@ def start_or_resume(init_from, out_dir, overwrite):
     that the same command survives `torchrun --max-restarts`, a requeue or a preempted machine."""
     if init_from == 'auto':
         init_from = 'resume' if latest(out_dir) else 'scratch'
-    held = latest(out_dir) or next((p for p in (os.path.join(out_dir, f) for f in ('ckpt.pt', 'best.pt'))
-                                    if os.path.exists(p)), None)
+    held = latest(out_dir)
     if init_from != 'resume' and held and not overwrite:
         raise ValueError(f"out_dir={out_dir!r} holds the checkpoint {held} of an earlier run; continue it with "
                          f"--init_from=resume (or auto), replace it with --overwrite=True, or choose another --out_dir")
@@ -228,7 +226,7 @@ def clear(out_dir):
     """A new run in out_dir (overwrite=True or nothing there): remove an earlier run's checkpoints and log."""
     for name in os.listdir(out_dir):
         path = os.path.join(out_dir, name)
-        if name in ('ckpt', 'best', 'ckpt.pt', 'best.pt', 'log.jsonl') or name.startswith('step_'):
+        if name in ('ckpt', 'best', 'log.jsonl') or name.startswith('step_'):
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
             else:
@@ -396,7 +394,7 @@ class SafeReader(FileSystemReader):
                 with warnings.catch_warnings():     # (about the pickle protocol of a value DCP wrote itself)
                     warnings.simplefilter('ignore')
                     torch.load(value, weights_only=True)    # plain values only; anything else is refused
-            except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+            except (pickle.UnpicklingError, RuntimeError, EOFError):
                 raise RefusedCheckpoint(f"its value {read_item.dest_index.fqn} holds more than plain values, "
                                         f"which could run code when loaded") from None
             value.seek(0)
@@ -432,10 +430,7 @@ def read_state(path):
 def read_checkpoint(path, optimizer=False):
     """A train.py checkpoint in one process -> state.json's dict plus 'model' (a full state dict of CPU tensors) and,
     with optimizer=True, 'optimizer' (state keyed by parameter name). `path`: a checkpoint folder (out_dir/ckpt,
-    out_dir/best, out_dir/step_N), or a ckpt.pt file of the single-file format this repo wrote before, which is
-    loaded with PyTorch's safe unpickler (weights_only=True)."""
-    if os.path.isfile(path):
-        return _read_legacy(path)
+    out_dir/best, out_dir/step_N)."""
     state = read_state(path)
     # DCP's loader for one process without a model to load into (what its dcp_to_torch_save conversion uses)
     sd = _load(_load_state_dict_from_keys, path, {'model', 'optimizer'} if optimizer else {'model'})
@@ -452,23 +447,6 @@ def _load(load, path, *args, **kwargs):
         raise ValueError(f"checkpoint {path} is damaged and could not be read ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[-1][:300]}); resume from another checkpoint "
                          f"(e.g. the best one) or start a new run") from None
-
-
-def _read_legacy(path):
-    size = os.path.getsize(path)
-    if not zipfile.is_zipfile(path):    # torch.save writes a zip file whose directory is at its end
-        raise ValueError(f"checkpoint {path} is {'empty (0 bytes)' if size == 0 else f'truncated or corrupt ({size:,} bytes)'}: "
-                         f"its write did not finish (a crash or a full disk?)")
-    try:
-        ckpt = torch.load(path, map_location='cpu', mmap=True, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise ValueError(f"checkpoint {path} is refused: it holds more than tensors and plain values, which could "
-                         f"run code when loaded ({str(e).splitlines()[0][:200]})") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile) as e:
-        raise ValueError(f"checkpoint {path} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    if not isinstance(ckpt, dict) or not {'model', 'model_config', 'meta'} <= ckpt.keys():
-        raise ValueError(f"{path} is not a train.py checkpoint (no model, model_config and meta entries)")
-    return ckpt
 
 
 # -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from checkpoints import load_hf, save_hf
 from model import GPT, RESIDUAL_MODES
 from test_model import make_model, write_hf_qwen3
 from test_pretrained import randomize_gates
+from test_train import write_checkpoint
 
 transformers = pytest.importorskip('transformers')
 transformers.logging.set_verbosity_error()
@@ -110,10 +111,9 @@ def test_export_script_writes_a_transformers_model_with_its_tokenizer(tmp_path):
     from transformers import AutoTokenizer
     import export
     model = make_model('delta_block', n_blocks=2, vocab_size=257, variant='official')
-    (tmp_path / 'run').mkdir()
-    torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), meta={'tokenizer': 'byte'}),
-               tmp_path / 'run' / 'ckpt.pt')
-    export.main([str(tmp_path / 'run' / 'ckpt.pt'), str(tmp_path / 'out')])
+    ckpt = write_checkpoint(tmp_path / 'run' / 'step_000000', model.state_dict(), asdict(model.config),
+                            meta={'tokenizer': 'byte'})
+    export.main([ckpt, str(tmp_path / 'out')])
     stored = json.loads((tmp_path / 'out' / 'config.json').read_text())['attention_residuals']
     assert stored == {'residual': 'delta_block', 'n_blocks': 2, 'res_gate': False, 'variant': 'official'}
     assert load_hf(tmp_path / 'out').config == model.config
@@ -260,11 +260,10 @@ def test_eval_lm_local_task_matches_gpt(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv('HF_HUB_OFFLINE', '1')
     monkeypatch.setenv('HF_DATASETS_OFFLINE', '1')
     write_local_task(tmp_path / 'tasks')
-    # a train.py run (out_dir/ckpt.pt, byte tokens): eval_lm exports it and evaluates it through transformers
+    # a train.py run (a checkpoint folder, byte tokens): eval_lm exports it and evaluates it through transformers
     model = make_model('delta_block', n_blocks=2, vocab_size=320, block_size=64)
     out = tmp_path / 'run'
-    out.mkdir()
-    torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), meta={'tokenizer': 'byte'}), out / 'ckpt.pt')
+    write_checkpoint(out / 'step_000000', model.state_dict(), asdict(model.config), meta={'tokenizer': 'byte'})
     results = eval_lm.main([str(out), '--tasks=tiny_mc', f'--include_path={tmp_path / "tasks"}', '--batch_size=3',
                             '--device=cpu', '--dtype=float32'])
     # every log-likelihood lm-eval used equals the one computed directly with GPT

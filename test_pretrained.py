@@ -170,24 +170,6 @@ def test_export_round_trip(tmp_path, mode, tie):
         assert torch.equal(model(idx)[0], back(idx)[0])
 
 
-def test_scalar_gates_of_older_checkpoints_load(tmp_path):
-    # the gates are 1-dim (FSDP2 cannot shard 0-dim parameters); state dicts and directories written while
-    # they were scalars load to the same model
-    from safetensors.torch import load_file, save_file
-    model = randomize_gates(make_model('delta_block', n_blocks=2, res_gate=True))
-    assert model.layers[0].attn_res_gate.shape == (1,)
-    old = {k: v.reshape(()) if k.endswith('_res_gate') else v for k, v in model.state_dict().items()}
-    fresh = make_model('delta_block', n_blocks=2, res_gate=True, seed=1)
-    fresh.load_state_dict(old)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
-    save_hf(model, tmp_path)
-    tensors = load_file(tmp_path / 'model.safetensors')
-    save_file({k: v.reshape(()) if k.endswith('_res_gate') else v for k, v in tensors.items()},
-              tmp_path / 'model.safetensors', metadata={'format': 'pt'})
-    back = load_hf(tmp_path)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in back.state_dict().items())
-
-
 def test_export_standard_loads_in_transformers(tmp_path, hf_dir):
     from transformers import Qwen3ForCausalLM
     model = load_hf(hf_dir).eval()

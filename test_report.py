@@ -12,7 +12,7 @@ import torch
 
 import report
 from data import ShardLoader
-from test_train import corpus, train, train_defaults  # noqa: F401 (corpus: the fixture)
+from test_train import corpus, train, train_defaults, write_checkpoint  # noqa: F401 (corpus: the fixture)
 
 MODES, SEEDS = ('standard', 'delta_block'), (1, 2)
 
@@ -129,8 +129,8 @@ def test_saved_runs_make_the_same_table_without_their_folders(runs, tmp_path, ca
 
 def fake_run(path, seed, val, config=None, routing=None, commit='0123456789abcdef', cpu=None):
     """An out_dir as train.py writes it, with hand-picked numbers: the provenance record, eval records
-    {step: val_loss}, a train record after every eval (tok/s 1000 * step, memory 1 GiB) and a checkpoint (of the
-    older single-file format, ckpt.pt) that holds the settings only."""
+    {step: val_loss}, a train record after every eval (tok/s 1000 * step, memory 1 GiB) and a checkpoint that holds
+    the settings only."""
     path.mkdir(parents=True)
     cfg = {**train_defaults(), **(config or {}), 'seed': seed, 'out_dir': str(path), 'device': 'cpu'}
     records = [dict(step=0, provenance=dict(commit=commit, dirty=False, **({'cpu': cpu} if cpu else {})))]
@@ -138,7 +138,7 @@ def fake_run(path, seed, val, config=None, routing=None, commit='0123456789abcde
         records.append(dict(step=step, val_loss=loss, val_ppl=math.exp(loss), val_tokens=100))
         records.append(dict(step=step + 1, loss=loss, tok_per_s=1000.0 * (step + 1), mem_gib=1.0, routing=routing or {}))
     (path / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
-    torch.save(dict(config=cfg, model_config={}, model={}, meta={}), path / 'ckpt.pt')
+    write_checkpoint(path / 'step_000000', {}, {}, config=cfg)
     return str(path)
 
 
