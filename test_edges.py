@@ -166,8 +166,8 @@ def test_export_without_its_dependency_writes_nothing_and_with_it_a_folder_only_
     p = subprocess.run([sys.executable, 'export.py', f'{tmp_path}/run/ckpt', f'{tmp_path}/x'], cwd=REPO,
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    assert sorted(os.listdir(tmp_path / 'x')) == ['config.json', 'fast_routing.py', 'hf_model.py', 'model.py', 'model.safetensors',
-                                                   'tokenizer.json', 'tokenizer_config.json']
+    assert sorted(os.listdir(tmp_path / 'x')) == ['config.json', 'fast_routing.py', 'hf_model.py', 'model.py',
+                                                   'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']
     p = subprocess.run([sys.executable, 'export.py', f'{tmp_path}/run/ckpt', f'{tmp_path}/x'], cwd=REPO,
                        capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr == f'export.py: error: {tmp_path}/x exists; export into a new folder (or remove it first)\n'
