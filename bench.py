@@ -29,8 +29,8 @@ hold on a noisy machine. Columns:
                    are the same code in every mode; with compile_regional, the same graphs). A mode's cold compile:
                    list it first, e.g. --residual=delta_attnres,standard (standard is added first only if missing)
 Then the routing's modelled memory traffic (routing_traffic, docs/routing.md) at this shape and at the
-paper's 1b shape: what route(), route_fast (before issue 15), keys + mix and the two-phase schedule (which the
-model runs for the sublayer modes) read and write per token. Last, that traffic at this device's measured
+paper's 1b shape: what route() (the naive baseline), keys + mix and the two-phase schedule (which the model runs
+for the sublayer modes) read and write per token. Last, that traffic at this device's measured
 bandwidth (stream_bandwidth: c = a + b over tensors larger than the caches): the time it adds to a step if
 moving it were all the routing cost, and the 'x std' that leaves at best, beside the measured one. A measured
 ratio near that bound says the implementation runs at its schedule's traffic; only less traffic goes faster.
@@ -92,8 +92,8 @@ with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sy
 # -----------------------------------------------------------------------------
 # The routing's memory traffic, modelled per token of one training step (forward + backward), in passes over a
 # B x T x d tensor (one read or one write of a source-sized tensor); docs/routing.md derives each term op by op.
-#   route()       per site with N sources: 19N + 3 (stack, RMSNorm of the stack, logits, mix; their backward)
-#   route_fast    the fast path until issue 15: per site 11N + 1 (logits, mix; backward), per source 4 (its 1/rms)
+#   route()       the naive baseline (--routing=naive, GPT.fast_routing = False): per site with N sources 19N + 3
+#                 (stack, RMSNorm of the stack, logits, mix; their backward)
 #   keys + mix    the fast path now (fast_routing.FastRouting): per site 8N + 1 (mix; backward), per source 10 (its logits at
 #                 every later site, one [B*T, d] x [d, sites] product, its 1/rms, and their backward)
 #   two-phase     what fast_routing.FastRouting runs for the sublayer modes: per group of G sites over the n sources completed
@@ -104,13 +104,12 @@ with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sy
 #                 block modes keep keys + mix (a handful of sources per site): their two-phase column is keys + mix.
 TRAFFIC = {
     'route':      dict(site=lambda N: 19 * N + 3, source=0),
-    'route_fast': dict(site=lambda N: 11 * N + 1, source=4),
     'keys_mix':   dict(site=lambda N: 8 * N + 1, source=10),
 }
 
 
 def routing_traffic(sites, d, bytes_per_element, two_phase):
-    """{schedule: bytes per token} of the routing for route(), route_fast, keys + mix and two-phase, given
+    """{schedule: bytes per token} of the routing for route(), keys + mix and two-phase, given
     GPT.routing_sites() (each site's completed sources n, and o = 1 if the open block is a source too); two_phase:
     whether the mode routes in two phases (fast_routing: the sublayer modes), in groups of fast_routing.two_phase_groups."""
     n_sources = sites[-1][0]
@@ -178,77 +177,49 @@ def saved_activation_bytes(model, x, y, ctx):
     return sum(seen.values())
 
 
-def main():
-    modes = list(RESIDUAL_MODES) if residual == 'all' else list(dict.fromkeys(residual.split(',')))
-    check_settings({  # setting: (holds?, what is expected); configurator.py
-        'residual': (set(modes) <= set(RESIDUAL_MODES), f"'all' or modes from {', '.join(RESIDUAL_MODES)}, joined by commas"),
-        'routing': (routing in ('fast', 'naive', 'both'), "'fast', 'naive' or 'both'"),
-        'dtype': (dtype in ('float32', 'bfloat16', 'float16'), "'float32', 'bfloat16' or 'float16'"),
-        'warmup': (warmup >= 1, 'at least 1 (the first step is timed: with compile, the compile time)'),
-    })
-    if 'standard' not in modes:
-        modes = ['standard'] + modes        # the reference of every ratio
-    runs = [(m, r) for m in modes for r in (('fast', 'naive') if routing == 'both' else (routing,))
-            if not (m == 'standard' and r == 'naive')]     # standard routes nothing
-
-    if compile and cold_compile:    # a warm cache turns a minute of compilation into seconds: measure it cold
-        import torch._functorch.config as functorch_config
-        import torch._inductor.config as inductor_config
-        os.environ['TORCHINDUCTOR_CACHE_DIR'] = cache = tempfile.mkdtemp(prefix='bench_inductor_')
-        atexit.register(shutil.rmtree, cache, True)
-        inductor_config.fx_graph_cache = inductor_config.autotune_local_cache = False
-        functorch_config.enable_autograd_cache = False
+def build(mode, rt, x, y, ctx):
+    """One mode's model, compiled as asked and warmed up -> its row: what is measured once (parameters, saved
+    activations, the first step's time: with compile, the compile time) and its training step, timed later."""
+    cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                    n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim,
+                    intermediate_size=intermediate_size, residual=mode, n_blocks=n_blocks, variant=variant)
     torch.manual_seed(seed)
-    device_type = 'cuda' if device.startswith('cuda') else 'cpu'
-    ctx = (contextlib.nullcontext() if dtype == 'float32'
-           else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype)))
-    x = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
-    y = torch.randint(0, vocab_size, (batch_size, block_size), device=device)
+    model = GPT(cfg).to(device)
+    model.fast_routing = rt == 'fast'
+    optimizer = model.configure_optimizers(weight_decay, learning_rate, (0.9, 0.95))
+    saved = saved_activation_bytes(model, x, y, ctx)
+    fwd = torch.compile(model) if compile and not compile_regional else model
+    if compile and compile_regional:
+        graphs = model.compile_regional()    # the routing's graphs per function: dynamo's limit must allow them
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
 
-    # Every model is another compiled entry for the one GPT.forward; past dynamo's recompile limit (8) a model
-    # would silently run eagerly while reported as compiled (--routing=both has 9). Room for all of them, and an
-    # error rather than an eager row should that not hold.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(runs))
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
-    rows = {}
-    # progress on stderr (stdout holds the table or the JSON): building, compiling and warming up takes minutes on a GPU
-    for mode, rt in tqdm(runs, desc=f"{'compile + ' if compile else ''}warm up", unit='model'):
-        cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                        n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim,
-                        intermediate_size=intermediate_size, residual=mode, n_blocks=n_blocks, variant=variant)
-        torch.manual_seed(seed)
-        model = GPT(cfg).to(device)
-        model.fast_routing = rt == 'fast'
-        optimizer = model.configure_optimizers(weight_decay, learning_rate, (0.9, 0.95))
-        saved = saved_activation_bytes(model, x, y, ctx)
-        fwd = torch.compile(model) if compile and not compile_regional else model
-        if compile and compile_regional:
-            graphs = model.compile_regional()    # the routing's graphs per function: dynamo's limit must allow them
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
+    def step():
+        with ctx:
+            _, loss = fwd(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-        def step(fwd=fwd, optimizer=optimizer):
-            with ctx:
-                _, loss = fwd(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    sync()
+    t0 = time.perf_counter()
+    step()                                      # with compile: compiles forward and backward
+    sync()
+    first_step = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        step()
+    sync()
+    return dict(mode=mode, routing=rt, params=model.get_num_params(), saved_bytes=saved, first_step_s=first_step,
+                step=step, model=model, optimizer=optimizer, times=[], peak_bytes=None,
+                flops_per_token=model.flops_per_token(block_size))
 
-        sync()
-        t0 = time.perf_counter()
-        step()                                      # with compile: compiles forward and backward
-        sync()
-        first_step = time.perf_counter() - t0
-        for _ in range(warmup - 1):
-            step()
-        sync()
-        rows[(mode, rt)] = dict(mode=mode, routing=rt, params=model.get_num_params(), saved_bytes=saved, first_step_s=first_step,
-                                step=step, model=model, optimizer=optimizer, times=[], peak_bytes=None,
-                                flops_per_token=model.flops_per_token(block_size))
 
-    for _ in tqdm(range(repeats), desc=f'timed rounds of {len(rows)} models', unit='round'):  # interleaved: A B C A B C ...
-        for row in rows.values():
+def time_rounds(rows):
+    """`repeats` rounds, each timing `steps` steps of every model in turn (A B C A B C ...): row['times'], and on a
+    GPU row['peak_bytes'], as if the model were alone on the device."""
+    for _ in tqdm(range(repeats), desc=f'timed rounds of {len(rows)} models', unit='round'):
+        for row in rows:
             peak_base = None
-            if device_type == 'cuda':
+            if device.startswith('cuda'):
                 torch.cuda.reset_peak_memory_stats(device)
                 peak_base = torch.cuda.memory_allocated(device)
             sync()
@@ -261,14 +232,15 @@ def main():
                 peak = torch.cuda.max_memory_allocated(device) - peak_base + own_resident_bytes(row['model'], row['optimizer'])
                 row['peak_bytes'] = max(row['peak_bytes'] or 0, peak)
 
-    peak = peak_flops_here()
+
+def summarize(rows, std, peak):
+    """Throughput, MFU and the ratios to standard (`std`'s row), paired by round."""
     tokens = steps * batch_size * block_size
-    for row in rows.values():
+    for row in rows:
         row['seconds_per_step'] = statistics.median(row['times']) / steps
         row['tok_per_s'] = tokens / statistics.median(row['times'])
         row['mfu'] = row['flops_per_token'] * row['tok_per_s'] / peak if peak else None
-    std = rows[('standard', runs[0][1])]
-    for row in rows.values():
+    for row in rows:
         per_round = [t_std / t for t_std, t in zip(std['times'], row['times'])]
         row['tok_per_s_ratio'] = statistics.median(per_round)
         row['tok_per_s_ratio_range'] = [min(per_round), max(per_round)]
@@ -277,15 +249,10 @@ def main():
         for k in ('step', 'model', 'optimizer'):
             del row[k]
 
-    setup = dict(device=torch.cuda.get_device_name(device) if device_type == 'cuda' else f'cpu ({torch.get_num_threads()} threads)',
-                 torch=torch.__version__, dtype=dtype, compile=compile, compile_regional=compile_regional,
-                 n_layer=n_layer, n_embd=n_embd,
-                 n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim, intermediate_size=intermediate_size,
-                 n_blocks=n_blocks, vocab_size=vocab_size, block_size=block_size, batch_size=batch_size,
-                 warmup=warmup, repeats=repeats, steps=steps, peak_flops=peak,
-                 saved='activations saved for backward, eager, each storage once, parameters excluded',
-                 peak='torch.cuda.max_memory_allocated of the mode alone' if device_type == 'cuda' else None)
-    # the modelled routing traffic at this shape and at the paper's 1b shape (d=1280, 36 layers, 4 blocks, BF16)
+
+def modelled_traffic(modes):
+    """The modelled routing traffic of each routed mode at this shape and at the paper's 1b shape (d=1280, 36 layers,
+    4 blocks, BF16) -> (shapes, {shape: {mode: routing_traffic}})."""
     shapes = {'this': (n_layer, n_embd, n_blocks, 2 if dtype in ('bfloat16', 'float16') else 4), '1b': (36, 1280, 4, 2)}
     with torch.device('meta'):      # the shapes only: no memory
         sites = lambda m, L, d, nb: GPT(GPTConfig(vocab_size=8, n_layer=L, n_embd=d, n_head=1, n_kv_head=1, head_dim=8,
@@ -293,17 +260,11 @@ def main():
         traffic = {shape: {m: routing_traffic(sites(m, L, d, nb), d, b, RESIDUAL_MODES[m][0] == 'sublayer')
                            for m in modes if m != 'standard'}
                    for shape, (L, d, nb, b) in shapes.items()}
-    # the bound: the schedule each row runs (fast: two-phase, naive: route()) moving its modelled bytes at this
-    # device's bandwidth, added to standard's step
-    routed = [row for row in rows.values() if row['mode'] != 'standard']
-    setup['bandwidth'] = bandwidth = stream_bandwidth() if routed else None
-    for row in routed:
-        row['routing_traffic_s'] = traffic['this'][row['mode']][
-            'two_phase' if row['routing'] == 'fast' else 'route'] * batch_size * block_size / bandwidth
-        row['tok_per_s_ratio_bound'] = std['seconds_per_step'] / (std['seconds_per_step'] + row['routing_traffic_s'])
-    if json:
-        print(jsonlib.dumps(dict(setup=setup, rows=list(rows.values()), traffic=traffic), indent=1))
-        return
+    return shapes, traffic
+
+
+def print_tables(setup, rows, shapes, traffic, std):
+    """The three tables: measured speed and memory, the modelled traffic, and that traffic's bound on speed."""
     print(f"# {setup['device']}, torch {setup['torch']}, {dtype}, compile={compile}{' (regional)' * (compile and compile_regional)}; L={n_layer} d={n_embd} "
           f"T={block_size} batch={batch_size} vocab={vocab_size} n_blocks={n_blocks}; "
           f"median of {repeats} interleaved rounds of {steps} steps")
@@ -314,22 +275,23 @@ def main():
             f"{'saved MB':>9} {'x':>6} {'MFU':>6} {'1st step s':>10}")
     print(head)
     print('-' * len(head))
-    for row in rows.values():
+    for row in rows:
         name = row['mode'] + (' (naive)' if row['routing'] == 'naive' else '')
         peak_s = (f"{row['peak_bytes'] / 2**20:9.1f} {row['peak_ratio']:6.2f}" if row['peak_bytes'] else f"{'-':>9} {'-':>6}")
         mfu_s = f"{100 * row['mfu']:5.1f}%" if row['mfu'] is not None else f"{'-':>6}"
         lo, hi = row['tok_per_s_ratio_range']
         print(f"{name:<22} {row['params'] / 1e6:7.2f}M {row['tok_per_s']:9.0f} {row['tok_per_s_ratio']:8.2f} {lo:4.2f}-{hi:4.2f} {peak_s} "
               f"{row['saved_bytes'] / 2**20:9.1f} {row['saved_ratio']:6.2f} {mfu_s} {row['first_step_s']:10.1f}")
-    print(f"\n# routing traffic per token of a training step, modelled (docs/routing.md): MB read + written")
-    print(f"{'mode':<22} {'shape':<20} {'route()':>9} {'route_fast':>10} {'keys+mix':>9} {'two-phase':>9} "
-          f"{'route_fast/two-phase':>20}")
+    print("\n# routing traffic per token of a training step, modelled (docs/routing.md): MB read + written")
+    print(f"{'mode':<22} {'shape':<20} {'route()':>9} {'keys+mix':>9} {'two-phase':>9} {'route()/two-phase':>17}")
     for shape, (L, d, nb, b) in shapes.items():
         for m, t in traffic[shape].items():
-            print(f"{m:<22} {f'L={L} d={d} {8 * b}-bit':<20} {t['route'] / 1e6:9.2f} {t['route_fast'] / 1e6:10.2f} "
-                  f"{t['keys_mix'] / 1e6:9.2f} {t['two_phase'] / 1e6:9.2f} {t['route_fast'] / t['two_phase']:20.1f}")
+            print(f"{m:<22} {f'L={L} d={d} {8 * b}-bit':<20} {t['route'] / 1e6:9.2f} "
+                  f"{t['keys_mix'] / 1e6:9.2f} {t['two_phase'] / 1e6:9.2f} {t['route'] / t['two_phase']:17.1f}")
+    routed = [row for row in rows if row['mode'] != 'standard']
     if not routed:
         return
+    bandwidth = setup['bandwidth']
     print(f"\n# that traffic at this device's bandwidth ({bandwidth / 1e9:.1f} GB/s, c = a + b): the time it adds to a step at "
           f"this shape,\n# and the x std that leaves at best (standard: {1e3 * std['seconds_per_step']:.0f} ms/step)")
     print(f"{'mode':<22} {'routing':>10} {'MB/step':>9} {'ms/step':>8} {'x std at best':>13} {'x std measured':>14}")
@@ -337,6 +299,62 @@ def main():
         print(f"{row['mode']:<22} {row['routing']:>10} "
               f"{row['routing_traffic_s'] * bandwidth / 1e6:9.0f} {1e3 * row['routing_traffic_s']:8.1f} "
               f"{row['tok_per_s_ratio_bound']:13.2f} {row['tok_per_s_ratio']:14.2f}")
+
+
+def main():
+    modes = list(RESIDUAL_MODES) if residual == 'all' else list(dict.fromkeys(residual.split(',')))
+    check_settings({  # setting: (holds?, what is expected); configurator.py
+        'residual': (set(modes) <= set(RESIDUAL_MODES), f"'all' or modes from {', '.join(RESIDUAL_MODES)}, joined by commas"),
+        'routing': (routing in ('fast', 'naive', 'both'), "'fast', 'naive' or 'both'"),
+        'dtype': (dtype in ('float32', 'bfloat16', 'float16'), "'float32', 'bfloat16' or 'float16'"),
+        'warmup': (warmup >= 1, 'at least 1 (the first step is timed: with compile, the compile time)'),
+    })
+    modes = modes if 'standard' in modes else ['standard'] + modes        # the reference of every ratio
+    runs = [(m, r) for m in modes for r in (('fast', 'naive') if routing == 'both' else (routing,))
+            if not (m == 'standard' and r == 'naive')]     # standard routes nothing
+    if compile and cold_compile:    # a warm cache turns a minute of compilation into seconds: measure it cold
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+        os.environ['TORCHINDUCTOR_CACHE_DIR'] = cache = tempfile.mkdtemp(prefix='bench_inductor_')
+        atexit.register(shutil.rmtree, cache, True)
+        inductor_config.fx_graph_cache = inductor_config.autotune_local_cache = False
+        functorch_config.enable_autograd_cache = False
+    # Every model is another compiled entry for the one GPT.forward; past dynamo's recompile limit (8) a model
+    # would silently run eagerly while reported as compiled (--routing=both has 9). Room for all of them, and an
+    # error rather than an eager row should that not hold.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(runs))
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+    torch.manual_seed(seed)
+    ctx = (contextlib.nullcontext() if dtype == 'float32'
+           else torch.autocast(device_type='cuda' if device.startswith('cuda') else 'cpu', dtype=getattr(torch, dtype)))
+    x, y = (torch.randint(0, vocab_size, (batch_size, block_size), device=device) for _ in range(2))
+    # progress on stderr (stdout holds the table or the JSON): building, compiling and warming up takes minutes on a GPU
+    rows = [build(m, rt, x, y, ctx) for m, rt in tqdm(runs, desc=f"{'compile + ' if compile else ''}warm up", unit='model')]
+    time_rounds(rows)
+    std = rows[0]       # standard, first
+    summarize(rows, std, peak_flops_here())
+    setup = dict(device=torch.cuda.get_device_name(device) if device.startswith('cuda') else f'cpu ({torch.get_num_threads()} threads)',
+                 torch=torch.__version__, dtype=dtype, compile=compile, compile_regional=compile_regional,
+                 n_layer=n_layer, n_embd=n_embd,
+                 n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim, intermediate_size=intermediate_size,
+                 n_blocks=n_blocks, vocab_size=vocab_size, block_size=block_size, batch_size=batch_size,
+                 warmup=warmup, repeats=repeats, steps=steps, peak_flops=peak_flops_here(),
+                 saved='activations saved for backward, eager, each storage once, parameters excluded',
+                 peak='torch.cuda.max_memory_allocated of the mode alone' if device.startswith('cuda') else None)
+    shapes, traffic = modelled_traffic(modes)
+    # the bound: the schedule each row runs (fast: two-phase, naive: route()) moving its modelled bytes at this
+    # device's bandwidth, added to standard's step
+    routed = [row for row in rows if row['mode'] != 'standard']
+    setup['bandwidth'] = stream_bandwidth() if routed else None
+    for row in routed:
+        row['routing_traffic_s'] = traffic['this'][row['mode']][
+            'two_phase' if row['routing'] == 'fast' else 'route'] * batch_size * block_size / setup['bandwidth']
+        row['tok_per_s_ratio_bound'] = std['seconds_per_step'] / (std['seconds_per_step'] + row['routing_traffic_s'])
+    if json:
+        print(jsonlib.dumps(dict(setup=setup, rows=rows, traffic=traffic), indent=1))
+    else:
+        print_tables(setup, rows, shapes, traffic, std)
 
 
 if __name__ == '__main__':
