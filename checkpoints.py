@@ -146,7 +146,7 @@ def load_hf(path, identity_init=False, **overrides):
     own = model.state_dict()
     # routing parameters are expected only from a directory that holds a routed mode
     routed_dir = stored.get('residual', 'standard') != 'standard'
-    expected = {k for k in own if (routed_dir or '_res_' not in k)
+    expected = {k for k in own if (routed_dir or not GPT.is_routing(k))
                 and not (model.config.tie_embeddings and k == 'lm_head.weight')}
     missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
     if missing or unexpected:

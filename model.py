@@ -397,7 +397,7 @@ class GPT(nn.Module):
         decay, no_decay, routing = [], [], []
         for name, p in self.named_parameters():
             if p.requires_grad:
-                (routing if '_res_' in name else decay if p.dim() >= 2 else no_decay).append(p)
+                (routing if self.is_routing(name) else decay if p.dim() >= 2 else no_decay).append(p)
         groups = [{'params': decay, 'weight_decay': weight_decay, 'lr_scale': 1.0},
                   {'params': no_decay, 'weight_decay': 0.0, 'lr_scale': 1.0},
                   {'params': routing, 'weight_decay': 0.0, 'lr_scale': routing_lr_scale}]
@@ -417,6 +417,12 @@ class GPT(nn.Module):
                 unit.compile(fullgraph=True)
         self.routing_ops = RoutingOps(compiled=True)
         return 2 * (max(self.routing_groups or [1]) + self.config.n_blocks + 2)
+
+    @staticmethod
+    def is_routing(name):
+        """Is the parameter (or state-dict entry) of this name a routing parameter: a site's pseudo-query
+        (*_res_proj), key norm (*_res_norm) or gate (*_res_gate)?"""
+        return '_res_' in name
 
     def routing_parameters(self):
         """[(pseudo-query, key norm, gate or None)] of every routing site, in forward order."""

@@ -193,17 +193,21 @@ def start_or_resume(init_from, out_dir, overwrite):
     return init_from
 
 
+def differences(saved, now, ignore=()):
+    """{key: (saved value, value now)} for every key of `saved` (outside `ignore`) whose value differs now."""
+    return {k: (v, now.get(k)) for k, v in saved.items() if k not in ignore and now.get(k) != v}
+
+
 def check_resume(path, state, model_config, meta, data_dir, config, auto):
     """Refuse to continue a checkpoint as something else: another model, other data (the saved data position indexes
     this dataset's windows, and the tokens mean its tokenizer's) or, for init_from='auto', other settings (a requeue
     runs the same command; a different command pointed at this out_dir is a mistake, not a restart)."""
-    if diff := {k: (v, model_config.get(k)) for k, v in state['model_config'].items() if model_config.get(k) != v}:
+    if diff := differences(state['model_config'], model_config):
         raise ValueError(f"the checkpoint's model differs from this config (checkpoint, now): {diff}")
-    if diff := {k: (v, meta.get(k)) for k, v in state['meta'].items() if k != 'shards' and meta.get(k) != v}:
+    if diff := differences(state['meta'], meta, ignore=('shards',)):
         raise ValueError(f"{path} was trained on another dataset than {data_dir} (checkpoint, now): {diff}; "
                          f"resume with its --data_root/--dataset, or start a new run in another --out_dir")
-    free = ('init_from', 'overwrite', 'eval_only')
-    if auto and (diff := {k: (v, config.get(k)) for k, v in state['config'].items() if k not in free and config.get(k) != v}):
+    if auto and (diff := differences(state['config'], config, ignore=('init_from', 'overwrite', 'eval_only'))):
         raise ValueError(f"init_from='auto': {path} was made with other settings (checkpoint, now): {diff}; "
                          f"continue it with these changes with --init_from=resume, or choose another --out_dir")
 

@@ -36,8 +36,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoints import load_hf
 from data import ShardLoader, load_meta
 from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
-from runs import (CheckpointWriteError, Guard, Stop, check_resume, clear, init_distributed, latest, lock, open_log,
-                  provenance, read_state, resume, save_checkpoint, start_or_resume)
+from runs import (CheckpointWriteError, Guard, Stop, check_resume, clear, differences, init_distributed, latest, lock,
+                  open_log, provenance, read_state, resume, save_checkpoint, start_or_resume)
 
 # -----------------------------------------------------------------------------
 # default config values: the paper's 220M standard run
@@ -198,12 +198,6 @@ model_config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n
                          n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim, intermediate_size=intermediate_size,
                          rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tie_embeddings=tie_embeddings,
                          residual=residual, n_blocks=n_blocks, res_gate=res_gate, variant=variant)
-def config_diff(other):
-    """{field: (other's value, this run's value)} where another model config differs from this run's."""
-    ours = asdict(model_config)
-    return {k: (v, ours[k]) for k, v in other.items() if ours[k] != v}
-
-
 state = None   # the checkpoint's settings, data position and best losses (state.json) when resuming
 if init_from == 'resume':
     state = read_state(latest(out_dir))    # (checks the checkpoint's DCP metadata before anything reads it)
@@ -224,7 +218,7 @@ else:
     # The RoPE tables only need the training block_size, not the checkpoint's 40,960 positions.
     model = load_hf(init_from, identity_init=res_gate, residual=residual, n_blocks=n_blocks, variant=variant,
                     block_size=block_size)
-    if diff := config_diff(asdict(model.config)):
+    if diff := differences(asdict(model.config), asdict(model_config)):
         raise ValueError(f"init_from={init_from} holds another model than this config describes; set these "
                          f"(checkpoint, config): {diff}")
     model.to(device)
@@ -243,7 +237,7 @@ if param_dtype == 'bfloat16':
         p.data = p.data.to(torch.bfloat16)
 if freeze_base:
     for name, p in model.named_parameters():
-        p.requires_grad_('_res_' in name)
+        p.requires_grad_(GPT.is_routing(name))
 if master:
     print(f"{residual}: {model.get_num_params() / 1e6:.2f}M parameters "
           f"({model.get_num_params(non_embedding=True) / 1e6:.2f}M without the embedding), vocab {vocab_size}")
