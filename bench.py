@@ -50,6 +50,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from checks import InvalidValue, check_settings, print_mistakes
 from fast_routing import group_passes, two_phase_groups
 from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
 
@@ -83,6 +84,8 @@ peak_flops = 0.0            # device peak FLOP/s for MFU; 0 = look the device up
 seed = 1337
 json = False                # print one JSON document instead of the table
 _config_file_extras_ok = True   # train.py's config files also set out_dir, dataset, ...: not ours
+if __name__ == '__main__':
+    print_mistakes()    # a mistake in a setting: one line (checks.py); a bug: its traceback
 # a bare --json means --json=True; configurator.py prints its overrides, which must not spoil --json output
 sys.argv = [('--json=True' if a == '--json' else a) for a in sys.argv]
 with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sys.argv) else sys.stdout):
@@ -180,9 +183,12 @@ def saved_activation_bytes(model, x, y, ctx):
 def build(mode, rt, x, y, ctx):
     """One mode's model, compiled as asked and warmed up -> its row: what is measured once (parameters, saved
     activations, the first step's time: with compile, the compile time) and its training step, timed later."""
-    cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                    n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim,
-                    intermediate_size=intermediate_size, residual=mode, n_blocks=n_blocks, variant=variant)
+    try:
+        cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                        n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim,
+                        intermediate_size=intermediate_size, residual=mode, n_blocks=n_blocks, variant=variant)
+    except ValueError as e:     # the shape, checked by model.py (which imports nothing of this repo)
+        raise InvalidValue(str(e)) from None
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
     model.fast_routing = rt == 'fast'
@@ -303,7 +309,7 @@ def print_tables(setup, rows, shapes, traffic, std):
 
 def main():
     modes = list(RESIDUAL_MODES) if residual == 'all' else list(dict.fromkeys(residual.split(',')))
-    check_settings({  # setting: (holds?, what is expected); configurator.py
+    check_settings(globals(), {  # setting: (holds?, what is expected); checks.py
         'residual': (set(modes) <= set(RESIDUAL_MODES), f"'all' or modes from {', '.join(RESIDUAL_MODES)}, joined by commas"),
         'routing': (routing in ('fast', 'naive', 'both'), "'fast', 'naive' or 'both'"),
         'dtype': (dtype in ('float32', 'bfloat16', 'float16'), "'float32', 'bfloat16' or 'float16'"),

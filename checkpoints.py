@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from checks import InvalidValue, Missing
 from model import GPT, GPTConfig, RESIDUAL_MODES
 from runs import latest, read_checkpoint
 
@@ -50,19 +51,19 @@ def official_routing(hf, path):
     that no mode here computes exactly. Defaults are its config class's (mode 'block', 8 blocks)."""
     mode, gate = hf.get('attnres_mode', 'block'), hf.get('attnres_gate_type', 'bias')
     if mode == 'baseline':
-        raise ValueError(f"{path}: attnres_mode 'baseline' in a qwen3_attnres config is not what the official code "
+        raise InvalidValue(f"{path}: attnres_mode 'baseline' in a qwen3_attnres config is not what the official code "
                          f"trains (its baseline is a plain Qwen3 checkpoint, model_type 'qwen3', which loads here as "
                          f"'standard'); its qwen3_attnres layers have no baseline branch and would route it as 'full' "
                          f"without the final routing site, which no mode here computes")
     if mode not in OFFICIAL_MODES:
-        raise ValueError(f"{path}: attnres_mode {mode!r} of the official code has no counterpart here (the '_v' modes "
+        raise InvalidValue(f"{path}: attnres_mode {mode!r} of the official code has no counterpart here (the '_v' modes "
                          f"route the attention values separately, the others change the sources or gate them before the "
                          f"softmax); loadable: {', '.join(OFFICIAL_MODES)}")
     if gate != 'bias':
-        raise ValueError(f"{path}: attnres_gate_type {gate!r} mixes the routed input with the residual stream through a "
+        raise InvalidValue(f"{path}: attnres_gate_type {gate!r} mixes the routed input with the residual stream through a "
                          f"gate no mode here has; only 'bias' (despite its name: no gate, the routed input used as is) loads")
     if hf.get('attnres_use_null_source'):
-        raise ValueError(f"{path}: attnres_use_null_source=true adds a learned null source to every routing site, "
+        raise InvalidValue(f"{path}: attnres_use_null_source=true adds a learned null source to every routing site, "
                          f"which no mode here has")
     # the official layers_per_block is max(1, ceil(L / n)): more blocks than layers is one layer per block
     n_blocks = min(hf.get('attnres_num_blocks', 8), hf['num_hidden_layers'])
@@ -81,21 +82,21 @@ def load_hf(path, identity_init=False, **overrides):
     from safetensors import safe_open
     path = Path(path)
     if not (path / 'config.json').is_file():
-        raise ValueError(f"{path} is not a Hugging Face checkpoint directory: it has no config.json")
+        raise InvalidValue(f"{path} is not a Hugging Face checkpoint directory: it has no config.json")
     hf = json.loads((path / 'config.json').read_text())
     if hf.get('model_type') not in ('qwen3', MODEL_TYPE, 'qwen3_attnres'):
-        raise ValueError(f"{path} holds a {hf.get('model_type')!r} model; expected model_type 'qwen3' "
+        raise InvalidValue(f"{path} holds a {hf.get('model_type')!r} model; expected model_type 'qwen3' "
                          f"(or {MODEL_TYPE!r} from save_hf, 'qwen3_attnres' from the official code)")
     for rope in (hf.get('rope_scaling'), hf.get('rope_parameters')):   # older and newer HF writers
         if rope and rope.get('rope_type', rope.get('type', 'default')) != 'default':
-            raise ValueError(f"rope scaling {rope} is not implemented; only plain RoPE ('default') is")
+            raise InvalidValue(f"rope scaling {rope} is not implemented; only plain RoPE ('default') is")
     rope_theta = hf.get('rope_theta', (hf.get('rope_parameters') or {}).get('rope_theta', 1e6))
     if hf.get('use_sliding_window') or 'sliding_attention' in hf.get('layer_types', []):
-        raise ValueError("sliding-window attention layers are not implemented; only full causal attention is")
+        raise InvalidValue("sliding-window attention layers are not implemented; only full causal attention is")
     if hf.get('attention_bias'):
-        raise ValueError("attention biases are not implemented (attention_bias=true); Qwen3 has none")
+        raise InvalidValue("attention biases are not implemented (attention_bias=true); Qwen3 has none")
     if hf.get('hidden_act', 'silu') != 'silu':
-        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not implemented; expected 'silu' (SwiGLU)")
+        raise InvalidValue(f"hidden_act {hf['hidden_act']!r} is not implemented; expected 'silu' (SwiGLU)")
     args = dict(
         vocab_size=hf['vocab_size'], block_size=hf['max_position_embeddings'],
         n_layer=hf['num_hidden_layers'], n_head=hf['num_attention_heads'],
@@ -110,10 +111,10 @@ def load_hf(path, identity_init=False, **overrides):
     mode = overrides.get('residual', args.get('residual', 'standard'))
     if identity_init:
         if stored.get('residual', 'standard') != 'standard':
-            raise ValueError(f"{path} already holds a trained {stored['residual']!r} model with its routing "
+            raise InvalidValue(f"{path} already holds a trained {stored['residual']!r} model with its routing "
                              f"parameters; identity_init only applies when converting a plain Qwen3 checkpoint")
         if RESIDUAL_MODES.get(mode, (None, None))[1] == 'replace':
-            raise ValueError(f"identity_init cannot be exact for the replacement mode {mode!r}: its sublayers read "
+            raise InvalidValue(f"identity_init cannot be exact for the replacement mode {mode!r}: its sublayers read "
                              f"a convex mix of sources, never the residual stream itself; convert it without "
                              f"identity_init (uniform routing) and expect a loss jump")
         if RESIDUAL_MODES.get(mode, (None, None))[1] == 'add':
@@ -121,16 +122,19 @@ def load_hf(path, identity_init=False, **overrides):
     conflicts = {k: (v, overrides[k]) for k, v in stored.items()
                  if k in overrides and overrides[k] != v and stored.get('residual', 'standard') != 'standard'}
     if conflicts:
-        raise ValueError(f"{path} holds a trained {stored['residual']!r} model whose routing parameters do not fit "
+        raise InvalidValue(f"{path} holds a trained {stored['residual']!r} model whose routing parameters do not fit "
                          f"other settings: {', '.join(f'{k}={a!r} stored, {b!r} requested' for k, (a, b) in conflicts.items())}")
-    model = GPT(GPTConfig(**{**args, **overrides}))
+    try:
+        model = GPT(GPTConfig(**{**args, **overrides}))
+    except ValueError as e:     # a shape or setting that model.py refuses (it imports nothing of this repo)
+        raise InvalidValue(f"{path}: {e}") from None
 
     if (path / 'model.safetensors.index.json').is_file():
         shards = sorted(set(json.loads((path / 'model.safetensors.index.json').read_text())['weight_map'].values()))
     elif (path / 'model.safetensors').is_file():
         shards = ['model.safetensors']
     else:
-        raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+        raise InvalidValue(f"{path} has neither model.safetensors nor model.safetensors.index.json")
     tensors = {}
     for shard in shards:
         with safe_open(path / shard, framework='pt') as f:
@@ -150,11 +154,11 @@ def load_hf(path, identity_init=False, **overrides):
                 and not (model.config.tie_embeddings and k == 'lm_head.weight')}
     missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
     if missing or unexpected:
-        raise ValueError(f"{path} does not match a Qwen3 model of this shape: missing tensors {missing[:8]}"
+        raise InvalidValue(f"{path} does not match a Qwen3 model of this shape: missing tensors {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unexpected[:8]}")
     for k, t in tensors.items():
         if t.shape != own[k].shape:
-            raise ValueError(f"tensor {k} has shape {tuple(t.shape)} in {path}, expected {tuple(own[k].shape)}")
+            raise InvalidValue(f"tensor {k} has shape {tuple(t.shape)} in {path}, expected {tuple(own[k].shape)}")
     with torch.no_grad():
         for k, t in tensors.items():
             own[k].copy_(t)
@@ -211,7 +215,7 @@ def trained_checkpoint(out_dir):
     """The checkpoint a train.py out_dir continues from (runs.latest)."""
     if path := latest(out_dir):
         return path
-    raise FileNotFoundError(f"no checkpoint in {out_dir} (out_dir/ckpt); train one with train.py or pass "
+    raise Missing(f"no checkpoint in {out_dir} (out_dir/ckpt); train one with train.py or pass "
                             f"--init_from=<checkpoint dir>")
 
 
@@ -222,7 +226,7 @@ def load_trained(path, residual=None, n_blocks=None):
     cfg = GPTConfig(**ckpt['model_config'])
     changed = {k: v for k, v in dict(residual=residual, n_blocks=n_blocks).items() if v is not None and getattr(cfg, k) != v}
     if changed:
-        raise ValueError(f"{path} was trained as residual={cfg.residual!r}, n_blocks={cfg.n_blocks}; a trained "
+        raise InvalidValue(f"{path} was trained as residual={cfg.residual!r}, n_blocks={cfg.n_blocks}; a trained "
                          f"model is sampled as it was trained (asked for {changed})")
     model = GPT(cfg)
     model.load_state_dict(ckpt['model'])
@@ -238,7 +242,7 @@ def load_model(init_from, out_dir='out', residual=None, n_blocks=None):
         return load_trained(trained_checkpoint(out_dir), residual, n_blocks)
     path = Path(init_from)
     if not (path / 'config.json').is_file():
-        raise FileNotFoundError(f"init_from={init_from!r} is neither 'resume' nor a checkpoint directory with a config.json")
+        raise Missing(f"init_from={init_from!r} is neither 'resume' nor a checkpoint directory with a config.json")
     hf = json.loads((path / 'config.json').read_text())
     plain = hf.get('model_type') == 'qwen3' and (hf.get(ROUTING_CONFIG_KEY) or {}).get('residual', 'standard') == 'standard'
     # a plain Qwen3 converted to an additive mode starts as exactly the checkpoint (see load_hf)

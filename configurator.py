@@ -9,10 +9,13 @@ accept keys the script defines and values of the same type (an int is fine where
 a setting that defaults to None takes anything), so a typo fails loudly instead of being ignored.
 A script that reads another script's config files (bench.py and train.py's) sets
 _config_file_extras_ok = True to skip the file's settings it does not have.
+`--help` prints the script's settings (those between its first two '# ----' lines) with their values and
+comments, and exits. Errors are checks.Mistakes, which the scripts print as one line (checks.print_mistakes).
 We exec into the script's globals instead of importing a config module: it keeps the script flat and
 every setting visible with a single grep, at the price of this small file being a bit unusual.
 """
 import builtins as _builtins  # train.py's `compile` setting shadows the builtin
+import checks as _checks     # its errors are Mistakes: one line each (checks.print_mistakes)
 import os
 import sys
 from ast import literal_eval
@@ -22,39 +25,15 @@ from difflib import get_close_matches
 def _check_setting(key, value, known, source):
     if key not in known:
         hint = get_close_matches(key, list(known), n=1)
-        raise ValueError(f"unknown config key {key!r} in {source}" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        raise _checks.InvalidValue(f"unknown config key {key!r} in {source}"
+                                   + (f" (did you mean {hint[0]!r}?)" if hint else ""))
     default = known[key]
     ok = (default is None or type(value) is type(default)
           or (type(default) is float and type(value) is int))
     if not ok:
-        raise ValueError(f"config key {key!r} in {source} must be {type(default).__name__} "
+        raise _checks.InvalidValue(f"config key {key!r} in {source} must be {type(default).__name__} "
                          f"(like its value so far, {globals()[key]!r}), got {type(value).__name__} {value!r}")
     return float(value) if type(default) is float else value
-
-
-# Run as a script: a ValueError or FileNotFoundError raised by this repository's own code is a check whose message
-# names the mistake and the way on (a setting, a missing file, a checkpoint from another run): print that, one line
-# per line of it, instead of a traceback. Everything else is a bug, here or in a library, and keeps its traceback,
-# for the whole run of every script that executes this file.
-if globals().get('__name__') == '__main__':
-    def _one_line_errors(kind, e, tb, _repo=os.path.dirname(os.path.abspath(__file__))):
-        last = tb
-        while last is not None and last.tb_next is not None:
-            last = last.tb_next                  # the frame that raised it
-        ours = last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(_repo + os.sep)
-        if issubclass(kind, (ValueError, FileNotFoundError)) and ours:
-            print('\n'.join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
-        else:
-            sys.__excepthook__(kind, e, tb)
-    sys.excepthook = _one_line_errors
-
-
-def check_settings(expected):
-    """{setting: (holds?, what is expected)} -> one ValueError listing every setting that does not hold, one line
-    each, so that a run fails before any work and with all its problems at once."""
-    problems = [f"{k}={globals()[k]!r}: expected {what}" for k, (ok, what) in expected.items() if not ok]
-    if problems:
-        raise ValueError('\n'.join(problems))
 
 
 def _print_help(script):
@@ -109,7 +88,7 @@ for _arg in (a for a in sys.argv[1:] if a not in ('-h', '--help')):
             with open(_arg) as _f:
                 exec(_builtins.compile(_f.read(), _arg, 'exec'), _ns)
         except FileNotFoundError:
-            raise FileNotFoundError(f"config file {_arg} does not exist") from None
+            raise _checks.Missing(f"config file {_arg} does not exist") from None
         for _key, _val in _ns.items():
             if not _key.startswith('_') and isinstance(_val, (int, float, bool, str, type(None))):
                 if _key not in _known and globals().get('_config_file_extras_ok'):
@@ -117,7 +96,7 @@ for _arg in (a for a in sys.argv[1:] if a not in ('-h', '--help')):
                 globals()[_key] = _check_setting(_key, _val, _known, _arg)
     else:
         if '=' not in _arg:
-            raise ValueError(f"command-line setting {_arg!r} must look like --key=value")
+            raise _checks.InvalidValue(f"command-line setting {_arg!r} must look like --key=value")
         _key, _val = _arg[2:].split('=', 1)
         if isinstance(_known.get(_key), str):
             _attempt = _val  # strings stay strings: --out_dir=123 is the folder '123'

@@ -21,6 +21,8 @@ import os
 
 import numpy as np
 
+from checks import InvalidValue, Missing
+
 MAGIC = 20240520  # same magic and version as llm.c, so its tools read our shards and vice versa
 VERSIONS = {1: np.uint16, 2: np.uint32}  # format version -> token dtype
 HEADER_INTS = 256
@@ -38,7 +40,7 @@ def write_shard(path, tokens, dtype=np.uint16):
     assert tokens.ndim == 1
     version = {np.dtype(d): v for v, d in VERSIONS.items()}[np.dtype(dtype)]
     if tokens.size and int(tokens.max()) > np.iinfo(dtype).max:
-        raise ValueError(f"token id {int(tokens.max())} does not fit in {np.dtype(dtype).name} (shard format version {version})")
+        raise InvalidValue(f"token id {int(tokens.max())} does not fit in {np.dtype(dtype).name} (shard format version {version})")
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[0], header[1], header[2] = MAGIC, version, len(tokens)
     tmp = path + '.tmp'
@@ -52,25 +54,25 @@ def read_shard(path, vocab_size=None):
     """Memory-map the tokens of one shard after checking its header against the file size and, given the
     dataset's vocab_size, every token id against it (one pass over the file: ~0.04 s per 100M tokens from the page cache)."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"data shard {path} does not exist")
+        raise Missing(f"data shard {path} does not exist")
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
-        raise ValueError(f"data shard {path} is corrupt: {size} bytes is shorter than the {HEADER_BYTES}-byte header")
+        raise InvalidValue(f"data shard {path} is corrupt: {size} bytes is shorter than the {HEADER_BYTES}-byte header")
     header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
     if header[0] != MAGIC:
-        raise ValueError(f"data shard {path} is corrupt: bad magic {header[0]} (expected {MAGIC}); "
+        raise InvalidValue(f"data shard {path} is corrupt: bad magic {header[0]} (expected {MAGIC}); "
                          f"is it a shard written by prepare_fineweb.py?")
     if header[1] not in VERSIONS:
-        raise ValueError(f"data shard {path} has format version {header[1]}; this code reads versions {sorted(VERSIONS)}")
+        raise InvalidValue(f"data shard {path} has format version {header[1]}; this code reads versions {sorted(VERSIONS)}")
     dtype = VERSIONS[int(header[1])]
     ntok = int(header[2])
     expected = HEADER_BYTES + ntok * np.dtype(dtype).itemsize
     if size != expected:
-        raise ValueError(f"data shard {path} is corrupt: the header says {ntok:,} tokens ({expected:,} bytes) "
+        raise InvalidValue(f"data shard {path} is corrupt: the header says {ntok:,} tokens ({expected:,} bytes) "
                          f"but the file has {size:,} bytes (truncated or overwritten?); re-run prepare_fineweb.py")
     tokens = np.memmap(path, dtype=dtype, mode='r', offset=HEADER_BYTES, shape=(ntok,))
     if vocab_size is not None and ntok and (top := int(tokens.max())) >= vocab_size:
-        raise ValueError(f"data shard {path} holds token id {top}, outside the dataset's vocabulary of {vocab_size} "
+        raise InvalidValue(f"data shard {path} holds token id {top}, outside the dataset's vocabulary of {vocab_size} "
                          f"(meta.json): the shard belongs to another tokenizer or is corrupt; re-run prepare_fineweb.py")
     return tokens
 
@@ -81,15 +83,15 @@ META_KEYS = ('tokenizer', 'vocab_size')  # what every reader needs; prepare_fine
 def load_meta(data_dir):
     path = os.path.join(data_dir, 'meta.json')
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no dataset at {data_dir} (missing {path}); "
+        raise Missing(f"no dataset at {data_dir} (missing {path}); "
                                 f"prepare one first, e.g. `python prepare_fineweb.py --demo`")
     try:
         with open(path) as f:
             meta = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise ValueError(f"{path} is corrupt ({e}); re-run prepare_fineweb.py") from None
+        raise InvalidValue(f"{path} is corrupt ({e}); re-run prepare_fineweb.py") from None
     if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS):
-        raise ValueError(f"{path} is not a prepare_fineweb.py meta.json (it needs {', '.join(META_KEYS)}); "
+        raise InvalidValue(f"{path} is not a prepare_fineweb.py meta.json (it needs {', '.join(META_KEYS)}); "
                          f"re-run prepare_fineweb.py")
     count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
     wrong = [k for k, ok in (('tokenizer', isinstance(meta['tokenizer'], str)),
@@ -100,7 +102,7 @@ def load_meta(data_dir):
                               and all(isinstance(n, str) and count(c) for n, c in meta.get('shards', {}).items())))
              if not ok]
     if wrong:
-        raise ValueError(f"{path} has fields of the wrong type ({', '.join(f'{k}={meta[k]!r}' for k in wrong)}); "
+        raise InvalidValue(f"{path} has fields of the wrong type ({', '.join(f'{k}={meta[k]!r}' for k in wrong)}); "
                          f"re-run prepare_fineweb.py")
     return meta
 
@@ -113,18 +115,18 @@ def check_split(data_dir, split, paths, shards, meta):
         listed = {n for n in meta['shards'] if f'_{split}_' in n}
         present = {os.path.basename(p) for p in paths}
         if listed != present:
-            raise ValueError(f"the {split} shards in {data_dir} do not match {path}: missing {sorted(listed - present)}, "
+            raise InvalidValue(f"the {split} shards in {data_dir} do not match {path}: missing {sorted(listed - present)}, "
                              f"not listed {sorted(present - listed)}; an interrupted or mixed dataset? re-run prepare_fineweb.py")
     ntok = sum(len(s) for s in shards)
     if f'{split}_tokens' in meta and ntok != meta[f'{split}_tokens']:
-        raise ValueError(f"the {split} shards in {data_dir} hold {ntok:,} tokens but {path} says {meta[f'{split}_tokens']:,}; "
+        raise InvalidValue(f"the {split} shards in {data_dir} hold {ntok:,} tokens but {path} says {meta[f'{split}_tokens']:,}; "
                          f"an interrupted or mixed dataset? re-run prepare_fineweb.py")
 
 
 def shard_paths(data_dir, split):
     paths = sorted(glob.glob(os.path.join(data_dir, f'*_{split}_*.bin')))
     if not paths:
-        raise FileNotFoundError(f"no {split} shards (*_{split}_*.bin) in {data_dir}; re-run prepare_fineweb.py")
+        raise Missing(f"no {split} shards (*_{split}_*.bin) in {data_dir}; re-run prepare_fineweb.py")
     return paths
 
 
@@ -161,7 +163,7 @@ class ShardLoader:
         need = batch_size * world_size * (grad_accum if split == 'train' else 1)
         if self.n_windows < need:
             ntok = sum(len(s) for s in self.shards)
-            raise ValueError(
+            raise InvalidValue(
                 f"the {split} split of {data_dir} has {ntok:,} tokens = {self.n_windows:,} sequences of "
                 f"{block_size}+1 tokens, but one {'step' if split == 'train' else 'eval batch'} needs {need:,} "
                 f"(batch_size={batch_size} x world_size={world_size}"

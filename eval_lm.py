@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from checks import InvalidValue, Missing
 from checkpoints import MODEL_TYPE, ROUTING_CONFIG_KEY, load_model, save_hf
 from runs import latest
 from tokenizer import save_hf_tokenizer
@@ -43,10 +44,10 @@ def transformers_dir(path, tmp, tokenizer=None):
     elif trained:
         model, recorded = load_model('resume', str(path))
     else:
-        raise FileNotFoundError(f"{path} is neither a train.py out_dir (no ckpt) nor a checkpoint directory (no config.json)")
+        raise Missing(f"{path} is neither a train.py out_dir (no ckpt) nor a checkpoint directory (no config.json)")
     tokenizer = tokenizer or recorded
     if tokenizer is None:
-        raise ValueError(f"{path} has no tokenizer; pass --tokenizer (byte, gpt2, a tokenizer.json or directory)")
+        raise InvalidValue(f"{path} has no tokenizer; pass --tokenizer (byte, gpt2, a tokenizer.json or directory)")
     save_hf(model, tmp)
     save_hf_tokenizer(tokenizer, tmp, model.config.block_size)
     return Path(tmp)
@@ -65,7 +66,7 @@ def evaluate(path, tasks=PAPER_TASKS, limit=None, batch_size=16, device='cpu', d
         manager = TaskManager(include_path=include_path)
     missing = [t for t in tasks if t not in manager.all_tasks]
     if missing:
-        raise ValueError(f"unknown lm-eval task(s) {missing}; see `lm-eval ls tasks`, or pass --include_path with their YAMLs")
+        raise InvalidValue(f"unknown lm-eval task(s) {missing}; see `lm-eval ls tasks`, or pass --include_path with their YAMLs")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = transformers_dir(path, tmp, tokenizer)
         lm = HFLM(pretrained=str(model_dir), trust_remote_code=True, device=device, dtype=dtype, batch_size=batch_size)

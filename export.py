@@ -6,7 +6,7 @@ tokenizer as tokenizer.json + tokenizer_config.json), which transformers, checkp
 (out_dir/ckpt is the latest checkpoint, out_dir/best the best validation loss's).
 
 A 'standard' model becomes a plain Qwen3 checkpoint that transformers' Qwen3ForCausalLM loads. A routed
-mode becomes a transformers model with remote code (hf_model.py and model.py, copied along):
+mode becomes a transformers model with remote code (hf_model.py, model.py and fast_routing.py, copied along):
 AutoModelForCausalLM.from_pretrained(dest, trust_remote_code=True). See docs/huggingface.md.
 """
 import argparse
@@ -17,6 +17,7 @@ import tempfile
 
 import torch
 
+from checks import InvalidValue
 from checkpoints import load_trained, save_hf
 from tokenizer import get_tokenizer, save_hf_tokenizer
 
@@ -29,7 +30,10 @@ def export(ckpt_path, dest, dtype=None):
     if os.path.lexists(dest):
         raise FileExistsError(f"{dest} exists; export into a new folder (or remove it first)")
     model, tokenizer = load_trained(str(ckpt_path))
-    get_tokenizer(tokenizer)    # the run's tokenizer is at hand (a missing tokenizer.json: an error before any write)
+    try:    # the run's tokenizer is at hand (a missing tokenizer.json: an error before any write)
+        get_tokenizer(tokenizer)
+    except RuntimeError as e:
+        raise InvalidValue(str(e)) from None
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(dest) + '.', suffix='.partial', dir=os.path.dirname(dest))
     try:
@@ -52,8 +56,8 @@ def main(argv=None):
         raise SystemExit(f"export.py: error: it needs {' and '.join(missing)}: pip install {' '.join(missing)}")
     try:
         model = export(args.ckpt, args.dest, getattr(torch, args.dtype) if args.dtype else None)
-    except (ValueError, RuntimeError, FileNotFoundError, FileExistsError) as e:  # a bad or missing checkpoint or
-        # tokenizer, a folder in the way: its one-line message
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        # a bad or missing checkpoint or tokenizer, a folder in the way: its one-line message
         raise SystemExit(f"export.py: error: {e}") from None
     print(f"wrote {args.dest}: {model.config.residual}, {model.get_num_params() / 1e6:.2f}M parameters")
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from checks import InvalidValue, Missing
 from tokenizer import get_tokenizer
 from data import token_dtype, write_shard
 
@@ -45,7 +46,7 @@ def demo_documents():
     files = sorted(p for p in stdlib.rglob('*.py')
                    if not {'site-packages', 'dist-packages'} & set(p.relative_to(stdlib).parts))
     if not files:
-        raise FileNotFoundError(f"no .py files under {stdlib}; this Python ships without its standard library "
+        raise Missing(f"no .py files under {stdlib}; this Python ships without its standard library "
                                 f"sources, so the demo corpus is unavailable: use --local FILE... instead")
     random.Random(0).shuffle(files)
     for p in files:
@@ -58,14 +59,14 @@ def local_documents(files, text_column, sample_by):
     files = [str(f) for f in files]
     for f in files:
         if os.path.isdir(f):
-            raise ValueError(f"--local {f} is a directory; pass the files in it (e.g. {os.path.join(f, '*.jsonl')})")
+            raise InvalidValue(f"--local {f} is a directory; pass the files in it (e.g. {os.path.join(f, '*.jsonl')})")
         if not os.path.isfile(f):
-            raise FileNotFoundError(f"--local file {f} does not exist")
+            raise Missing(f"--local file {f} does not exist")
         if os.path.getsize(f) == 0:
-            raise ValueError(f"--local file {f} is empty")
+            raise InvalidValue(f"--local file {f} is empty")
     kinds = {LOCAL_BUILDERS.get(Path(f).suffix.lower()) for f in files}
     if None in kinds or len(kinds) > 1:
-        raise ValueError(f"--local files must all be one kind, with suffix one of {sorted(LOCAL_BUILDERS)}; got {files}")
+        raise InvalidValue(f"--local files must all be one kind, with suffix one of {sorted(LOCAL_BUILDERS)}; got {files}")
     return _local_rows(files, kinds.pop(), text_column, sample_by)
 
 
@@ -80,10 +81,10 @@ def _local_rows(files, builder, text_column, sample_by):
             except StopIteration:
                 break
             except Exception as e:  # a parse error (pyarrow's, a UnicodeDecodeError, ...) that does not say where
-                raise ValueError(f"--local file {f} is not readable as {builder} "
+                raise InvalidValue(f"--local file {f} is not readable as {builder} "
                                  f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
             if text_column not in row:
-                raise ValueError(f"--local file {f}: rows have no {text_column!r} column (columns: {sorted(row)}); "
+                raise InvalidValue(f"--local file {f}: rows have no {text_column!r} column (columns: {sorted(row)}); "
                                  f"set --text_column")
             yield row[text_column]
 
@@ -130,11 +131,11 @@ def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_s
     enc = get_tokenizer(tokenizer)  # fail early (e.g. no network for GPT-2) before starting any work
     tokenizer = enc.name   # a hub name is now a local file, for the workers
     if max_tokens is not None and max_tokens <= val_tokens:
-        raise ValueError(f"--max_tokens ({max_tokens:,}) must exceed --val_tokens ({val_tokens:,}) to leave training data")
+        raise InvalidValue(f"--max_tokens ({max_tokens:,}) must exceed --val_tokens ({val_tokens:,}) to leave training data")
     partial, old = out_dir + '.partial', out_dir + '.old'
     for path in (out_dir, partial, old):    # replace (or clear up) only what this script wrote
         if os.path.lexists(path) and not is_dataset_folder(path):
-            raise ValueError(f"{path} exists and is not a dataset that prepare_fineweb.py wrote (it holds more than "
+            raise InvalidValue(f"{path} exists and is not a dataset that prepare_fineweb.py wrote (it holds more than "
                              f"meta.json and .bin shards); choose another --name or --data_root, or move it away")
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
@@ -204,7 +205,7 @@ def _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_toke
     if shard_fill:
         write('train', shard_index, shard[:shard_fill])
     if n_train == 0:
-        raise ValueError(f"the corpus has only {n_val:,} tokens in {n_docs_val} documents, all taken by the "
+        raise InvalidValue(f"the corpus has only {n_val:,} tokens in {n_docs_val} documents, all taken by the "
                          f"validation split; lower --val_tokens or add data")
     write('val', 0, np.concatenate(val))
     meta = dict(name=name, tokenizer=tokenizer, vocab_size=enc.n_vocab, eot_token=enc.eot_token,

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from checks import InvalidValue, Missing
 from checkpoints import trained_checkpoint
 from model import RESIDUAL_MODES
 from runs import read_state
@@ -64,7 +65,7 @@ def load_run(path):
     run_dir = Path(path)
     log = run_dir / 'log.jsonl'
     if not log.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a train.py out_dir (log.jsonl is missing) nor a run saved by "
+        raise Missing(f"{run_dir} is not a train.py out_dir (log.jsonl is missing) nor a run saved by "
                                 f"--save_runs (RUN.json)")
     ckpt = trained_checkpoint(str(run_dir))
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
@@ -77,7 +78,7 @@ def load_run(path):
 def make_run(run_dir, config, records, seconds, routing=None, routing_batches=None):
     val = {r['step']: r['val_loss'] for r in records if 'val_loss' in r}
     if not val:
-        raise ValueError(f"{run_dir} has no evaluation yet (no val_loss record)")
+        raise InvalidValue(f"{run_dir} has no evaluation yet (no val_loss record)")
     config = {'variant': 'paper', **config}   # runs from before the setting existed ran the papers' definitions
     # which code made it: the provenance record of each start and restart (none in runs from before it existed)
     commits = {commit_of(r['provenance']) for r in records if 'provenance' in r} or {'unknown'}
@@ -163,7 +164,7 @@ def routing_from_val(run, batches, data_root=None, device='cpu'):
     cfg = run['config']
     data_dir = os.path.join(data_root or cfg['data_root'], cfg['dataset'])
     if not os.path.isdir(data_dir):
-        raise FileNotFoundError(f"{run['dir']} was trained on {data_dir}, which is not here: pass --data_root=<folder "
+        raise Missing(f"{run['dir']} was trained on {data_dir}, which is not here: pass --data_root=<folder "
                                 f"holding {cfg['dataset']}/> or --routing=log")
     model, _ = load_model('resume', str(run['dir']))
     loader = ShardLoader(data_dir, 'val', cfg['batch_size'], cfg['block_size'])

@@ -8,12 +8,15 @@ A training run's files, and what keeps a run safe, beside train.py's main path.
                              (settings, data position, provenance: plain JSON)
     out_dir/ckpt -> step_000400   the latest checkpoint: what a resume continues
     out_dir/best -> step_000200   the checkpoint of the best validation loss so far
+    out_dir/.lock            held (flock) by the run that writes here: one run per out_dir (lock)
 
 A checkpoint is written under step_N.tmp/ and renamed when complete; `ckpt` and `best` are symbolic links swapped
 atomically (os.replace). A crash or a full disk mid-save therefore leaves the previous checkpoint as it was, and a
-left-over .tmp folder is removed by the next save. DCP reshards on load: a run saved by 2 processes resumes on 1 or 4.
+left-over .tmp folder is removed by the next save; a kill at any other instant is continued too (save_checkpoint).
+SIGTERM and SIGINT stop a run with a checkpoint of the step they interrupted (Stop). DCP reshards on load: a run saved by 2 processes resumes on 1 or 4.
 The same format serves every run (one process, DDP, FSDP2), so sample.py, export.py, report.py and eval_lm.py read
-any of them with read_checkpoint (DCP's own loading, into one process).
+any of them with read_checkpoint (DCP's own loading, into one process, through SafeReader: nothing in a checkpoint
+runs code).
 """
 import atexit
 import fcntl
@@ -38,6 +41,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from checks import InvalidValue, Missing
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 # DCP warns on every save and load in one process, even when asked for one (no_dist=True): that is what we mean
@@ -105,7 +110,7 @@ def lock(out_dir):
         f.seek(0)
         holder = f.read().strip() or 'a run that has not said who it is yet'
         f.close()
-        raise ValueError(f"out_dir={out_dir!r} is in use by another run ({holder}); wait for it to end or stop it, "
+        raise InvalidValue(f"out_dir={out_dir!r} is in use by another run ({holder}); wait for it to end or stop it, "
                          f"or choose another --out_dir") from None
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
@@ -120,7 +125,7 @@ def lock(out_dir):
 
 
 class Stop:
-    """SIGTERM (a scheduler preempting or ending the job; Slurm: --signal=TERM@120) and SIGINT (Ctrl-C) stop a run
+    """SIGTERM (a scheduler preempting or ending the job; Slurm: --signal=TERM@300) and SIGINT (Ctrl-C) stop a run
     cleanly: the step in progress finishes, every rank writes its part of a checkpoint, and the process exits with
     the signal's conventional code, 128 + its number. A second signal ends the process at once; the last complete
     checkpoint stays as it is (saves are atomic). One arriving within a second of the first is the same event
@@ -185,10 +190,10 @@ def start_or_resume(init_from, out_dir, overwrite):
         init_from = 'resume' if latest(out_dir) else 'scratch'
     held = latest(out_dir)
     if init_from != 'resume' and held and not overwrite:
-        raise ValueError(f"out_dir={out_dir!r} holds the checkpoint {held} of an earlier run; continue it with "
+        raise InvalidValue(f"out_dir={out_dir!r} holds the checkpoint {held} of an earlier run; continue it with "
                          f"--init_from=resume (or auto), replace it with --overwrite=True, or choose another --out_dir")
     if init_from == 'resume' and not latest(out_dir):
-        raise FileNotFoundError(f"init_from='resume' but {out_dir} has no checkpoint (out_dir/ckpt); "
+        raise Missing(f"init_from='resume' but {out_dir} has no checkpoint (out_dir/ckpt); "
                                 f"--init_from=auto starts the run when there is none")
     return init_from
 
@@ -203,12 +208,12 @@ def check_resume(path, state, model_config, meta, data_dir, config, auto):
     this dataset's windows, and the tokens mean its tokenizer's) or, for init_from='auto', other settings (a requeue
     runs the same command; a different command pointed at this out_dir is a mistake, not a restart)."""
     if diff := differences(state['model_config'], model_config):
-        raise ValueError(f"the checkpoint's model differs from this config (checkpoint, now): {diff}")
+        raise InvalidValue(f"the checkpoint's model differs from this config (checkpoint, now): {diff}")
     if diff := differences(state['meta'], meta, ignore=('shards',)):
-        raise ValueError(f"{path} was trained on another dataset than {data_dir} (checkpoint, now): {diff}; "
+        raise InvalidValue(f"{path} was trained on another dataset than {data_dir} (checkpoint, now): {diff}; "
                          f"resume with its --data_root/--dataset, or start a new run in another --out_dir")
     if auto and (diff := differences(state['config'], config, ignore=('init_from', 'overwrite', 'eval_only'))):
-        raise ValueError(f"init_from='auto': {path} was made with other settings (checkpoint, now): {diff}; "
+        raise InvalidValue(f"init_from='auto': {path} was made with other settings (checkpoint, now): {diff}; "
                          f"continue it with these changes with --init_from=resume, or choose another --out_dir")
 
 
@@ -272,7 +277,8 @@ def save_checkpoint(out_dir, step, model, optimizer, state, is_best, master):
     (DCP); then rank 0 adds state.json, renames the folder to step_N and points `ckpt` (and `best`) at it.
     Raises CheckpointWriteError on every rank if any rank could not write (e.g. a full disk): the previous
     checkpoint is untouched. A process killed at any instant of it leaves a state that a restart continues: the
-    previous checkpoint, or the new step_N (which latest() adopts where no link names it yet)."""
+    previous checkpoint, which a restart resumes (a complete step_N that no link names yet is replaced when the run
+    saves step N again; where there is no link at all, latest() resumes step_N itself)."""
     final = os.path.join(out_dir, f'step_{step:06d}')
     tmp = final + '.tmp'
     distributed = dist.is_initialized()
@@ -365,14 +371,14 @@ def read_metadata(path):
     corrupt, or anything but DCP's Metadata."""
     meta = os.path.join(path, '.metadata')
     if not os.path.isfile(meta):
-        raise ValueError(f"{path} is not a complete checkpoint: {meta} is missing (its save did not finish)")
+        raise InvalidValue(f"{path} is not a complete checkpoint: {meta} is missing (its save did not finish)")
     try:
         with open(meta, 'rb') as f:
             metadata = _MetadataUnpickler(f).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError, IndexError) as e:
-        raise ValueError(f"checkpoint {path} is refused: its .metadata is corrupt or holds code ({e})") from None
+        raise InvalidValue(f"checkpoint {path} is refused: its .metadata is corrupt or holds code ({e})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise ValueError(f"checkpoint {path} is refused: its .metadata holds a {type(metadata).__name__}, "
+        raise InvalidValue(f"checkpoint {path} is refused: its .metadata holds a {type(metadata).__name__}, "
                          f"not DCP's Metadata")
     return metadata
 
@@ -410,13 +416,13 @@ class SafeReader(FileSystemReader):
 def read_state(path):
     """A checkpoint folder's state.json (settings, data position, provenance), after checking its DCP metadata."""
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint {path}")
+        raise Missing(f"no checkpoint {path}")
     read_metadata(path)
     try:
         with open(os.path.join(path, 'state.json')) as f:
             state = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"checkpoint {path} has no readable state.json ({type(e).__name__}); "
+        raise InvalidValue(f"checkpoint {path} has no readable state.json ({type(e).__name__}); "
                          f"its save did not finish?") from None
     count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -426,7 +432,7 @@ def read_state(path):
                 'best_ckpt': lambda v: v is None or (isinstance(v, list) and len(v) == 2 and count(v[0]) and number(v[1]))}
     wrong = [k for k, ok in expected.items() if not isinstance(state, dict) or k not in state or not ok(state[k])]
     if wrong:
-        raise ValueError(f"checkpoint {path} has a state.json that train.py did not write: missing or wrong "
+        raise InvalidValue(f"checkpoint {path} has a state.json that train.py did not write: missing or wrong "
                          f"{', '.join(wrong)}")
     return state
 
@@ -447,8 +453,8 @@ def _load(load, path, *args, **kwargs):
         return load(*args, storage_reader=SafeReader(path), **kwargs)
     except (Exception, CheckpointException) as e:   # (a BaseException) each rank's error: a missing or cut-short shard
         if refused := [f for f, _ in getattr(e, 'failures', {}).values() if isinstance(f, RefusedCheckpoint)]:
-            raise ValueError(f"checkpoint {path} is refused: {refused[0]}") from None
-        raise ValueError(f"checkpoint {path} is damaged and could not be read ({type(e).__name__}: "
+            raise InvalidValue(f"checkpoint {path} is refused: {refused[0]}") from None
+        raise InvalidValue(f"checkpoint {path} is damaged and could not be read ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[-1][:300]}); resume from another checkpoint "
                          f"(e.g. the best one) or start a new run") from None
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from checks import InvalidValue, check_settings, print_mistakes
 from checkpoints import load_model
 from tokenizer import get_tokenizer
 from model import KVCache
@@ -46,7 +47,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, n_vocab=None,
     """Append max_new_tokens sampled tokens to idx (B, T). n_vocab: never sample ids at or above it
     (train.py pads the vocabulary to a multiple of 64; Qwen3's embedding is larger than its tokenizer)."""
     if idx.size(1) + max_new_tokens > model.config.block_size:
-        raise ValueError(f"prompt ({idx.size(1)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+        raise InvalidValue(f"prompt ({idx.size(1)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"block_size {model.config.block_size}")
     cache = KVCache(model.config.n_layer) if use_kv_cache else None
     new = idx                                    # with a cache, only the tokens the model has not seen yet
@@ -69,8 +70,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, n_vocab=None,
 
 
 if __name__ == '__main__':
+    print_mistakes()    # a mistake in a setting or a file: one line (checks.py); a bug: its traceback
     exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())  # overrides: command line, config file
-    check_settings({  # setting: (holds?, what is expected); all checked before the model is loaded (configurator.py)
+    check_settings(globals(), {  # setting: (holds?, what is expected); all checked before the model is loaded
         'temperature': (temperature >= 0, '>= 0 (0: greedy, always the most likely token)'),
         'top_k': (top_k >= 0, '>= 0 (0: all tokens)'),
         'num_samples': (num_samples >= 1, '>= 1'),
@@ -84,10 +86,10 @@ if __name__ == '__main__':
     model, recorded_tokenizer = load_model(init_from, out_dir, residual, n_blocks)
     tokenizer = tokenizer or recorded_tokenizer
     if tokenizer is None:
-        raise ValueError(f"{init_from} has no tokenizer.json; pass --tokenizer (byte, gpt2, a tokenizer.json or hub name)")
+        raise InvalidValue(f"{init_from} has no tokenizer.json; pass --tokenizer (byte, gpt2, a tokenizer.json or hub name)")
     enc = get_tokenizer(tokenizer)
     if enc.n_vocab > model.config.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} tokens, more than the model's vocab_size {model.config.vocab_size}")
+        raise InvalidValue(f"tokenizer {tokenizer} has {enc.n_vocab} tokens, more than the model's vocab_size {model.config.vocab_size}")
     model.to(device=device, dtype=getattr(torch, dtype)).eval()
     if start.startswith('FILE:'):
         start = Path(start[5:]).read_text(encoding='utf-8')

@@ -6,10 +6,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-import torch
 
 from runs import read_state
 from test_runs import torchrun

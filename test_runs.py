@@ -137,9 +137,12 @@ def test_provenance_in_the_log_and_the_checkpoint(corpus, tmp_path):
 BUG = """
 import os, runpy, sys, torch
 sys.path.insert(0, os.getcwd())
+import model
 def broken(*a, **k):
     raise ValueError('a bug deep in a library')
-torch.manual_seed = broken
+def hacked(*a, **k):    # a ValueError raised in a file of this repo: someone hacking model.py
+    model.GPTConfig(n_layer=-1)
+torch.manual_seed = hacked if os.environ.get('IN_REPO') else broken
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')
 """
@@ -152,6 +155,9 @@ def test_bugs_keep_their_traceback_and_mistakes_print_one_line(tmp_path, script)
     p = subprocess.run([sys.executable, str(tmp_path / 'bug.py'), script, *args], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and 'Traceback' in p.stderr and 'ValueError: a bug deep in a library' in p.stderr
+    p = subprocess.run([sys.executable, str(tmp_path / 'bug.py'), script, *args], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, 'IN_REPO': '1'})
+    assert p.returncode == 1 and 'Traceback' in p.stderr and 'ValueError: n_layer must be a positive' in p.stderr
     p = subprocess.run([sys.executable, script, '--dtype=float8'], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and 'Traceback' not in p.stderr and p.stderr.startswith("error: dtype='float8': expected")
 

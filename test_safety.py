@@ -6,10 +6,8 @@ import pickle
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import tiktoken
 
+from checks import InvalidValue, Missing
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer.json (e.g. Qwen3's) behind tiktoken's interface, so that data prepared
     for a pretrained checkpoint uses exactly its vocabulary. `name` is the local file: workers and
@@ -22,7 +25,7 @@ class HFTokenizer:
         self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
         self.eot_token = self.tok.token_to_id('<|endoftext|>')
         if self.eot_token is None:
-            raise ValueError(f"tokenizer {path} has no '<|endoftext|>' token to separate documents")
+            raise InvalidValue(f"tokenizer {path} has no '<|endoftext|>' token to separate documents")
 
     def encode_ordinary(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -39,7 +42,7 @@ def hf_tokenizer_file(name):
         return path
     if path.is_dir():
         if not (path / 'tokenizer.json').is_file():
-            raise FileNotFoundError(f"{path} is a directory without tokenizer.json")
+            raise Missing(f"{path} is a directory without tokenizer.json")
         return path / 'tokenizer.json'
     from huggingface_hub import hf_hub_download
     try:
@@ -118,6 +121,6 @@ def tiktoken_as_hf(enc):
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in enc._special_tokens])
     if any(tok.token_to_id(t) != i for t, i in enc._special_tokens.items()):
-        raise ValueError(f"tokenizer {enc.name!r}: its special tokens {enc._special_tokens} do not follow its ranks, "
+        raise InvalidValue(f"tokenizer {enc.name!r}: its special tokens {enc._special_tokens} do not follow its ranks, "
                          f"so the converted tokenizer would number them differently")
     return tok

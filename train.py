@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from checks import InvalidValue, check_settings, print_mistakes
 from checkpoints import load_hf
 from data import ShardLoader, load_meta
 from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
@@ -109,6 +110,7 @@ ddp_timeout_s = 1800        # DDP/FSDP: a rank that waits this long on the other
                             # with an error instead of hanging; long enough for rank 0 to write an 8B checkpoint
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
+print_mistakes()    # a mistake in a setting or a file: one line (checks.py); a bug: its traceback
 exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())  # overrides: command line, config file
 config = {k: globals()[k] for k in config_keys}  # the full config, logged and saved in checkpoints
 # -----------------------------------------------------------------------------
@@ -118,7 +120,7 @@ config = {k: globals()[k] for k in config_keys}  # the full config, logged and s
 ddp = 'RANK' in os.environ
 world_size = int(os.environ.get('WORLD_SIZE', 1))
 number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-check_settings({  # setting: (holds?, what is expected); configurator.py
+check_settings(globals(), {  # setting: (holds?, what is expected); checks.py
     'residual': (residual in RESIDUAL_MODES, f"one of {', '.join(RESIDUAL_MODES)}"),
     'init_from': (init_from in ('scratch', 'resume', 'auto') or os.path.isdir(init_from),
                   "'scratch', 'resume', 'auto' or a local Qwen3 checkpoint directory"),
@@ -193,11 +195,14 @@ val_loader = ShardLoader(data_dir, 'val', batch_size, block_size, rank, world_si
 if vocab_size is None:
     vocab_size = math.ceil(meta['vocab_size'] / 64) * 64  # padded: faster matmuls; the extra rows are never targets
 elif vocab_size < meta['vocab_size']:
-    raise ValueError(f"vocab_size={vocab_size} is smaller than the dataset's vocabulary ({meta['vocab_size']}, {meta['tokenizer']})")
-model_config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                         n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim, intermediate_size=intermediate_size,
-                         rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tie_embeddings=tie_embeddings,
-                         residual=residual, n_blocks=n_blocks, res_gate=res_gate, variant=variant)
+    raise InvalidValue(f"vocab_size={vocab_size} is smaller than the dataset's vocabulary ({meta['vocab_size']}, {meta['tokenizer']})")
+try:
+    model_config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                             n_kv_head=n_kv_head, n_embd=n_embd, head_dim=head_dim, intermediate_size=intermediate_size,
+                             rope_theta=rope_theta, rms_norm_eps=rms_norm_eps, tie_embeddings=tie_embeddings,
+                             residual=residual, n_blocks=n_blocks, res_gate=res_gate, variant=variant)
+except ValueError as e:     # the model's shape, checked by model.py (which imports nothing of this repo)
+    raise InvalidValue(str(e)) from None
 state = None   # the checkpoint's settings, data position and best losses (state.json) when resuming
 if init_from == 'resume':
     state = read_state(latest(out_dir))    # (checks the checkpoint's DCP metadata before anything reads it)
@@ -219,7 +224,7 @@ else:
     model = load_hf(init_from, identity_init=res_gate, residual=residual, n_blocks=n_blocks, variant=variant,
                     block_size=block_size)
     if diff := differences(asdict(model.config), asdict(model_config)):
-        raise ValueError(f"init_from={init_from} holds another model than this config describes; set these "
+        raise InvalidValue(f"init_from={init_from} holds another model than this config describes; set these "
                          f"(checkpoint, config): {diff}")
     model.to(device)
     if master:
