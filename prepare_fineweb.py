@@ -175,7 +175,9 @@ def _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_toke
     n_val = n_train = n_docs_val = n_docs_train = n_dupes = 0
     shard, shard_fill, shard_index = np.empty(shard_size, dtype=dtype), 0, 1
     bar = tqdm(total=max_tokens, unit='tok', unit_scale=True, desc=f'tokenizing {name}')
-    with mp.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+    # forkserver, not fork: a process that forks while other threads hold locks (torch's, a library's) can leave the
+    # child deadlocked or dead, and Pool.imap then waits forever (seen once in the test suite, after torch ran)
+    with mp.get_context('forkserver').Pool(num_proc, initializer=_init_worker, initargs=(tokenizer,)) as pool:
         for digest, toks in _tokenize_stream(pool, documents):
             if n_val < val_tokens:  # still filling the validation split with whole documents
                 val.append(toks)
