@@ -21,6 +21,16 @@ class Missing(Mistake, FileNotFoundError):
     pass
 
 
+def is_number(v):
+    """An int or a float, not a bool (which Python counts as an int)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_count(v):
+    """An int >= 0, not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def check_settings(settings, expected):
     """settings: a script's globals; expected: {setting: (holds?, what is expected)} -> one InvalidValue listing every
     setting that does not hold, one line each, so that a run fails before any work and with all its problems at once."""

@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from checks import InvalidValue, Missing
+from checks import InvalidValue, Missing, is_count
 
 MAGIC = 20240520  # same magic and version as llm.c, so its tools read our shards and vice versa
 VERSIONS = {1: np.uint16, 2: np.uint32}  # format version -> token dtype
@@ -93,13 +93,12 @@ def load_meta(data_dir):
     if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS):
         raise InvalidValue(f"{path} is not a prepare_fineweb.py meta.json (it needs {', '.join(META_KEYS)}); "
                          f"re-run prepare_fineweb.py")
-    count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
     wrong = [k for k, ok in (('tokenizer', isinstance(meta['tokenizer'], str)),
-                             ('vocab_size', count(meta['vocab_size']) and meta['vocab_size'] >= 1),
-                             ('val_tokens', count(meta.get('val_tokens', 0))),
-                             ('train_tokens', count(meta.get('train_tokens', 0))),
+                             ('vocab_size', is_count(meta['vocab_size']) and meta['vocab_size'] >= 1),
+                             ('val_tokens', is_count(meta.get('val_tokens', 0))),
+                             ('train_tokens', is_count(meta.get('train_tokens', 0))),
                              ('shards', isinstance(meta.get('shards', {}), dict)
-                              and all(isinstance(n, str) and count(c) for n, c in meta.get('shards', {}).items())))
+                              and all(isinstance(n, str) and is_count(c) for n, c in meta.get('shards', {}).items())))
              if not ok]
     if wrong:
         raise InvalidValue(f"{path} has fields of the wrong type ({', '.join(f'{k}={meta[k]!r}' for k in wrong)}); "

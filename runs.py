@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from checks import InvalidValue, Missing
+from checks import InvalidValue, Missing, is_count, is_number
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 # DCP warns on every save and load in one process, even when asked for one (no_dist=True): that is what we mean
@@ -179,7 +179,8 @@ def latest(out_dir):
     path = os.path.join(out_dir, 'ckpt')
     if os.path.isdir(path):
         return path
-    return _steps(out_dir)[-1] if _steps(out_dir) else None
+    steps = _steps(out_dir)
+    return steps[-1] if steps else None
 
 
 def start_or_resume(init_from, out_dir, overwrite):
@@ -424,12 +425,11 @@ def read_state(path):
     except (OSError, ValueError) as e:
         raise InvalidValue(f"checkpoint {path} has no readable state.json ({type(e).__name__}); "
                          f"its save did not finish?") from None
-    count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     expected = {'model_config': lambda v: isinstance(v, dict), 'config': lambda v: isinstance(v, dict),
-                'meta': lambda v: isinstance(v, dict), 'iter_num': count, 'data_pos': count,
-                'best_val_loss': lambda v: v is None or number(v),
-                'best_ckpt': lambda v: v is None or (isinstance(v, list) and len(v) == 2 and count(v[0]) and number(v[1]))}
+                'meta': lambda v: isinstance(v, dict), 'iter_num': is_count, 'data_pos': is_count,
+                'best_val_loss': lambda v: v is None or is_number(v),
+                'best_ckpt': lambda v: v is None or (isinstance(v, list) and len(v) == 2 and is_count(v[0])
+                                                     and is_number(v[1]))}
     wrong = [k for k, ok in expected.items() if not isinstance(state, dict) or k not in state or not ok(state[k])]
     if wrong:
         raise InvalidValue(f"checkpoint {path} has a state.json that train.py did not write: missing or wrong "

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checks import InvalidValue, check_settings, print_mistakes
+from checks import InvalidValue, check_settings, is_number, print_mistakes
 from checkpoints import load_hf
 from data import ShardLoader, load_meta
 from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
@@ -119,7 +119,6 @@ config = {k: globals()[k] for k in config_keys}  # the full config, logged and s
 # torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; without them this is a single process.
 ddp = 'RANK' in os.environ
 world_size = int(os.environ.get('WORLD_SIZE', 1))
-number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
 check_settings(globals(), {  # setting: (holds?, what is expected); checks.py
     'residual': (residual in RESIDUAL_MODES, f"one of {', '.join(RESIDUAL_MODES)}"),
     'init_from': (init_from in ('scratch', 'resume', 'auto') or os.path.isdir(init_from),
@@ -139,7 +138,7 @@ check_settings(globals(), {  # setting: (holds?, what is expected); checks.py
     'vocab_size': (vocab_size is None or (isinstance(vocab_size, int) and vocab_size >= 1),
                    "None (the dataset's) or an int >= 1"),
     'learning_rate': (learning_rate >= 0, '>= 0'),
-    'routing_learning_rate': (routing_learning_rate is None or (number(routing_learning_rate) and routing_learning_rate >= 0
+    'routing_learning_rate': (routing_learning_rate is None or (is_number(routing_learning_rate) and routing_learning_rate >= 0
                                                                 and learning_rate > 0),
                               'None (learning_rate) or a number >= 0, with learning_rate > 0 (it scales the schedule)'),
     'min_lr': (0 <= min_lr <= learning_rate, f'between 0 and learning_rate={learning_rate}'),
