@@ -141,8 +141,8 @@ class ShardLoader:
     one global batch of world_size * grad_accum * batch_size sequences; rank r, micro-step m takes its
     own slice of it, so ranks read different sequences and the global batch does not depend on how it
     is split across processes (a 2-process DDP run sees the same data as 1 process with 2x accumulation).
-    val: the windows in file order, always the same ones, so every evaluation is comparable, also
-    between runs on different numbers of processes.
+    val: windows spread evenly over the whole split (val_batches), always the same ones, so every evaluation
+    is comparable, also between runs on different numbers of processes.
     """
 
     def __init__(self, data_dir, split, batch_size, block_size, rank=0, world_size=1, grad_accum=1, seed=0, meta=None):
@@ -196,10 +196,30 @@ class ShardLoader:
         self.pos += per_rank * self.world_size
         return batches
 
-    def val_batches(self, n):
-        """This rank's share of the first n val batches. The n batches are the same for any number of
-        processes (rank r takes batches r, r + world_size, ...); n is rounded down to a multiple of
-        world_size so that every rank runs the same number of forward passes (FSDP needs that)."""
-        n = min(n, self.n_windows // self.B)
-        n -= n % self.world_size
-        return [self._batch(range(k * self.B, (k + 1) * self.B)) for k in range(self.rank, n, self.world_size)]
+    def val_batches(self, n=None):
+        """This rank's share of n val batches, or (n=None) of the whole val split.
+
+        The n * batch_size windows are spread evenly over the split (window j of them is the split's window
+        floor((j + 1/2) * n_windows / (n * batch_size))), so a short evaluation still samples every part of
+        the held-out text, not only its first documents; they are the same at every evaluation and for any
+        number of processes (rank r takes batches r, r + world_size, ...). n is rounded down to a multiple of
+        world_size so that every rank runs the same number of forward passes (FSDP needs that).
+        n=None: every window once. The last global batch is filled up with windows whose targets are all -1
+        (the loss ignores them), so every rank still runs the same number of forward passes; weigh each
+        batch's mean loss by its count of targets >= 0."""
+        B, W, N = self.B, self.world_size, self.n_windows
+        if n is None:
+            picked = np.arange(N)
+            padded = -(-N // (B * W)) * B * W
+        else:
+            n = min(n, N // B)
+            n -= n % W
+            picked = (2 * np.arange(n * B) + 1) * N // (2 * n * B)
+            padded = n * B
+        batches = []
+        for k in range(self.rank, padded // B, W):
+            rows = picked[k * B:(k + 1) * B]
+            x, y = self._batch(np.concatenate([rows, np.zeros(B - len(rows), dtype=rows.dtype)]))
+            y[len(rows):] = -1     # filler rows: no targets
+            batches.append((x, y))
+        return batches

@@ -158,7 +158,7 @@ def stats_from_model(model, batches):
 
 
 def routing_from_val(run, batches, data_root=None, device='cpu'):
-    """The final checkpoint's routing on the first `batches` val batches of the run's own dataset."""
+    """The final checkpoint's routing on `batches` val batches of the run's own dataset (spread over the split)."""
     from data import ShardLoader
     from checkpoints import load_model
     cfg = run['config']

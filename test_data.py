@@ -184,16 +184,44 @@ def test_loader_windows_epochs_resume_and_ranks(tmp_path):
         (x1, _), = ranks[1].train_batches()
         assert (x0 == batches[0][0]).all() and (x1 == batches[1][0]).all()
 
-    # validation: the same batches on 1 or 2 processes, split between the ranks, from the file's start
+    # validation: spread evenly over the split, the same batches on 1 or 2 processes, split between the ranks
+    N = 499 // T                                    # 49 windows of T + 1 tokens
     one = data.ShardLoader(d, 'val', B, T).val_batches(100)
-    assert len(one) == 499 // T // B == 16
-    assert [x[:, 0].tolist() for x, _ in one] == [list(range(k * B * T, (k + 1) * B * T, T)) for k in range(16)]
-    two = [data.ShardLoader(d, 'val', B, T, rank=r, world_size=2).val_batches(100) for r in range(2)]
-    assert len(two[0]) == len(two[1]) == 8
-    for k, (x, y) in enumerate(one):
+    assert len(one) == N // B == 16                 # capped at the split: 16 batches of 3, all windows but one
+    four = data.ShardLoader(d, 'val', B, T).val_batches(4)
+    starts = [int(x[r, 0]) // T for x, _ in four for r in range(B)]
+    assert starts == [(2 * j + 1) * N // 24 for j in range(12)]     # centred in 12 equal stretches of the split
+    assert starts[0] == 2 and starts[-1] == 46 and len(set(starts)) == 12
+    two = [data.ShardLoader(d, 'val', B, T, rank=r, world_size=2).val_batches(4) for r in range(2)]
+    assert len(two[0]) == len(two[1]) == 2
+    for k, (x, y) in enumerate(four):
         x2, y2 = two[k % 2][k // 2]
         assert (x == x2).all() and (y == y2).all()
     assert len(data.ShardLoader(d, 'val', B, T, world_size=2).val_batches(5)) == 2  # 5 -> 4 batches, 2 per rank
+
+    # the whole split: every window exactly once, the last global batch filled up with rows without targets
+    for world in (1, 2, 3):
+        parts = [data.ShardLoader(d, 'val', B, T, rank=r, world_size=world).val_batches(None) for r in range(world)]
+        assert len({len(p) for p in parts}) == 1            # every rank runs as many forward passes
+        rows = [(x[i], y[i]) for p in parts for x, y in p for i in range(B)]
+        real = sorted(int(x[0]) // T for x, y in rows if (y >= 0).all())
+        assert real == list(range(N))
+        assert all((y == -1).all() for x, y in rows if not (y >= 0).all())
+        assert sum((y >= 0).sum() for x, y in rows) == N * T
+
+
+def test_validation_windows_reach_every_document(tmp_path):
+    """The demo's val split (its 11 documents' lengths): the 32,768 tokens that the CPU study evaluates, which
+    in file order were two documents, now touch all 11."""
+    lengths = [7084, 38388, 23392, 31163, 3261, 50386, 22384, 43117, 13724, 5908, 27390]
+    bounds = np.cumsum([0] + lengths)
+    d = str(tmp_path)
+    data.write_shard(os.path.join(d, 'x_val_000000.bin'), np.arange(bounds[-1]), dtype=np.uint32)  # token = position
+    def documents(starts):
+        return {i for i in range(11) for s in starts if s < bounds[i + 1] and s + 256 >= bounds[i]}
+    loader = data.ShardLoader(d, 'val', 4, 256)
+    assert documents([x[r, 0] for x, _ in loader.val_batches(32) for r in range(4)]) == set(range(11))
+    assert documents(np.arange(128) * 256) == {0, 1}     # the first 128 windows in file order
 
 
 def test_loader_rejects_batches_that_do_not_fit(tmp_path):

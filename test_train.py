@@ -198,6 +198,17 @@ def test_ddp_and_fsdp_two_processes_match_one(corpus, tmp_path):
     assert val_losses(single).keys() == val_losses(ddp).keys() == {0, 2, 4}
     for step, loss in val_losses(single).items():  # the same val batches, split over the ranks
         assert val_losses(ddp)[step] == pytest.approx(loss, rel=1e-5)
+    # at the end, the whole val split: every window once, recomputed here from the shard and the final weights
+    final = [r for r in single if 'final_val_loss' in r]
+    model = GPT(GPTConfig(**checkpoint(tmp_path / 'single')['model_config']))
+    model.load_state_dict(s)
+    val = np.fromfile(next((corpus / 'tiny').glob('*_val_*.bin')), dtype=np.uint16)[256 * 2:].astype(np.int64)
+    n = (len(val) - 1) // 32
+    windows = torch.from_numpy(np.stack([val[i * 32:i * 32 + 33] for i in range(n)]))
+    with torch.no_grad():
+        _, expected = model(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
+    assert final == [dict(step=4, final_val_loss=pytest.approx(expected.item(), rel=1e-5), final_val_tokens=n * 32)]
+    assert [r['final_val_loss'] for r in ddp if 'final_val_loss' in r] == [pytest.approx(expected.item(), rel=1e-5)]
 
     # FSDP2 with activation checkpointing: sharded training and a sharded checkpoint that reads like the others
     p, fsdp = train(corpus, tmp_path / 'fsdp', *args, '--fsdp=True', '--activation_checkpointing=True', torchrun=True)
@@ -209,6 +220,7 @@ def test_ddp_and_fsdp_two_processes_match_one(corpus, tmp_path):
         torch.testing.assert_close(b['model'][k], a['model'][k], rtol=1e-4, atol=1e-5)
     for step, loss in losses(single).items():
         assert losses(fsdp)[step] == pytest.approx(loss, rel=1e-5)
+    assert [r['final_val_loss'] for r in fsdp if 'final_val_loss' in r] == [pytest.approx(expected.item(), rel=1e-5)]
 
 
 SLOW = pytest.mark.skipif(not os.environ.get('RUN_SLOW'), reason='inductor on 2 CPU cores takes minutes: RUN_SLOW=1')

@@ -46,7 +46,9 @@ from runs import (CheckpointWriteError, Guard, Stop, check_resume, clear, differ
 out_dir = 'out'
 eval_interval = 500         # evaluate on the held-out split and write the checkpoint every this many steps
 log_interval = 10
-eval_iters = 64             # val batches per evaluation, over all processes (fewer if the val split is smaller)
+eval_iters = 64             # val batches per evaluation, over all processes (fewer if the val split is smaller),
+                            # spread evenly over the val split: the same windows at every evaluation (data.py)
+final_eval = True           # at the end of training (and with eval_only) also evaluate the whole val split once
 eval_only = False           # evaluate once (e.g. with init_from='resume') and exit
 init_from = 'scratch'       # 'scratch', 'resume' (from out_dir/ckpt), 'auto' (resume if out_dir has a checkpoint, else
                             # scratch: restarted and requeued jobs) or a local Qwen3 checkpoint directory
@@ -329,21 +331,24 @@ def to_device(x, y):
 
 
 @torch.no_grad()
-def evaluate():
-    """Mean loss over the same val batches every time; each process takes different ones."""
+def evaluate(n):
+    """Mean loss per target token over n val batches, or the whole val split (n=None); each process takes
+    different batches. Returns the loss and the number of held-out tokens it averages."""
     model.eval()
-    total, n = torch.zeros((), device=device), 0
-    for x, y in val_loader.val_batches(eval_iters):
+    total = torch.zeros(2, dtype=torch.float64, device=device)    # sum of token losses, number of tokens
+    for x, y in val_loader.val_batches(n):
+        targets = int((y >= 0).sum())   # the whole split's last batch has filler rows without targets
         x, y = to_device(x, y)
         with autocast:
             _, loss = model(x, y)
-        total += loss.float()
-        n += 1
+        if targets:
+            total[0] += loss.double() * targets
+            total[1] += targets
     if ddp:
         dist.all_reduce(total)
     model.train()
-    n *= world_size
-    return total.item() / n, n * batch_size * block_size
+    loss_sum, tokens = total.tolist()
+    return loss_sum / tokens, int(tokens)
 
 
 def routing_summary(stats):
@@ -409,12 +414,18 @@ while True:
     if (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) and \
             not (iter_num == start_iter and init_from == 'resume' and not eval_only):
         guard.stop_if_skipped(iter_num)   # never evaluate or checkpoint after a skipped step
-        val_loss, val_tokens = evaluate()
+        val_loss, val_tokens = evaluate(eval_iters)
         if master:
             print(f"step {iter_num}: val loss {val_loss:.4f} | val ppl {ppl(val_loss):.2f} "
                   f"({val_tokens:,} held-out tokens)")
         log(dict(step=iter_num, val_loss=val_loss, val_ppl=ppl(val_loss), val_tokens=val_tokens))
         guard.check(iter_num, val_loss, 'val loss')
+        if final_eval and (iter_num >= max_iters or eval_only):   # the number to compare runs by (results/)
+            whole, whole_tokens = evaluate(None)
+            if master:
+                print(f"step {iter_num}: whole val split: loss {whole:.4f} | ppl {ppl(whole):.2f} "
+                      f"({whole_tokens:,} tokens)")
+            log(dict(step=iter_num, final_val_loss=whole, final_val_tokens=whole_tokens))
         if iter_num > start_iter:
             checkpoint(val_loss)
         t0, steps_timed = time.time(), 0  # don't count evaluation time as training time
