@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Study v2 (results/README.md, "Study v2": the design and the decision rule, committed before these runs).
+# config/study_v2.py: d=64, sequences of 256 bytes, 4 per step, 4000 steps = 4.1M training tokens, compiled.
+# The parts, in order (each mode's learning rate: from the grid of its depth and width, results/study_v2/lr_*.txt):
+#   grid12     the 2x2 and standard at 12 layers, lr 1.5e-3, 3e-3, 6e-3, grid seed 100                15 runs
+#   L12        the 2x2, standard and delta_block variant=official at 12 layers, seeds 0-4            30 runs
+#   L4         standard at 4 layers, seeds 0-4 (does depth help standard at this shape?)             5 runs
+#   grid24     every mode at 24 layers at its 12-layer lr and half of it, grid seed 100             10 runs
+#   L24        the 2x2 and standard at 24 layers, seeds 0-4                                          25 runs
+#   gridw      width 128 (8 heads of 16, 4 KV heads, SwiGLU 384) at 12 layers: 12-layer lr and half  10 runs
+#   W128       the 2x2 and standard at width 128, seeds 0-4                                          25 runs
+# A 12-layer grid whose best lr is at an edge is extended by the next factor of 2: EXTEND_12="0.75e-3" (or 1.2e-2)
+# adds that lr for every mode.
+# bash results/study_v2.sh [PART ...]; JOBS runs at a time, one thread each (results/study_runs.sh). A finished run
+# is saved in results/runs/v2_<part>/ and skipped from then on, so the script can be stopped and started again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=out/study_v2
+source results/study_runs.sh     # run_all, train_one
+MODES="standard full_attnres attnres delta_attnres delta_block"
+SEEDS="0 1 2 3 4"
+GRID_SEED=100
+
+run() {   # out_dir mode lr settings...: one line for run_all (min_lr: a tenth of the peak)
+    local dir=$1 mode=$2 lr=$3; shift 3
+    echo "$dir config/study_v2.py --residual=$mode --learning_rate=$lr --min_lr=$(python -c "print($lr / 10)") $*"
+}
+
+best_lr() {   # the chosen lr of a mode: results/study_v2/lr_<grid>.txt, lines "mode lr" (report.py --grid)
+    local file=results/study_v2/lr_$1.txt
+    [ -f "$file" ] || { echo "no $file: run the grid part and report.py --grid first" >&2; exit 1; }
+    awk -v m="$2" '$1 == m {print $2}' "$file"
+}
+
+grid12() {
+    for mode in $MODES; do
+        for lr in 1.5e-3 3e-3 6e-3 ${EXTEND_12:-}; do
+            run $OUT/v2_grid12/${mode}_lr${lr}_s$GRID_SEED $mode $lr --seed=$GRID_SEED
+        done
+    done | run_all
+}
+
+verdict() {   # part grid settings...: the 2x2 and standard, seeds 0-4, each at its lr of the grid
+    local part=$1 grid=$2; shift 2
+    for seed in $SEEDS; do
+        for mode in $MODES; do
+            run $OUT/v2_$part/${mode}_s$seed $mode "$(best_lr $grid $mode)" --seed=$seed "$@"
+        done
+        if [ "$part" = L12 ]; then
+            run $OUT/v2_$part/delta_block_official_s$seed delta_block "$(best_lr $grid delta_block)" --variant=official --seed=$seed
+        fi
+    done | run_all
+}
+
+halves() {   # part settings...: every mode at its 12-layer lr and half of it, grid seed
+    local part=$1; shift
+    for mode in $MODES; do
+        local lr; lr=$(best_lr 12 $mode)
+        for x in $lr $(python -c "print($lr / 2)"); do
+            run $OUT/v2_$part/${mode}_lr${x}_s$GRID_SEED $mode $x --seed=$GRID_SEED "$@"
+        done
+    done | run_all
+}
+
+WIDE="--n_embd=128 --n_head=8 --n_kv_head=4 --intermediate_size=384"
+L12() { verdict L12 12; }
+L4() { for seed in $SEEDS; do run $OUT/v2_L4/standard_s$seed standard "$(best_lr 12 standard)" --seed=$seed --n_layer=4; done | run_all; }
+grid24() { halves grid24 --n_layer=24; }
+L24() { verdict L24 24 --n_layer=24; }
+gridw() { halves gridw $WIDE; }
+W128() { verdict W128 w $WIDE; }
+
+mkdir -p $OUT results/runs
+for part in "${@:-grid12 L12 L4 grid24 L24 gridw W128}"; do
+    for p in $part; do
+        start=$(date +%s)
+        $p
+        echo "v2 $p $(date -u +%FT%TZ) $(( $(date +%s) - start )) s wall, JOBS=$JOBS, $(git rev-parse --short HEAD)" >> results/runs/time.txt
+    done
+done
