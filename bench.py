@@ -51,7 +51,7 @@ import torch
 from tqdm import tqdm
 
 from checks import InvalidValue, check_settings, print_mistakes
-from fast_routing import group_passes, two_phase_groups
+from fast_routing import group_passes
 from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
 
 # -----------------------------------------------------------------------------
@@ -111,21 +111,20 @@ TRAFFIC = {
 }
 
 
-def routing_traffic(sites, d, bytes_per_element, two_phase):
-    """{schedule: bytes per token} of the routing for route(), keys + mix and two-phase, given
-    GPT.routing_sites() (each site's completed sources n, and o = 1 if the open block is a source too); two_phase:
-    whether the mode routes in two phases (fast_routing: the sublayer modes), in groups of fast_routing.two_phase_groups."""
-    n_sources = sites[-1][0]
-    passes = {name: sum(t['site'](n + o) for n, o in sites) + t['source'] * n_sources for name, t in TRAFFIC.items()}
-    if two_phase:
-        alone = [n for n, o in sites if n + o == 1]     # sees E only: keys + mix
-        rest = [n for n, _ in sites[len(alone):]]
-        starts = [0, *itertools.accumulate(two_phase_groups(rest))]
+def routing_traffic(model, bytes_per_element):
+    """{schedule: bytes per token} of the model's routing for route(), keys + mix and two-phase, from its schedule of
+    sites (GPT.sites: each site's completed sources n, and open = 1 if the open block is a source too) and its
+    two-phase groups (GPT.routing_groups; None: the block modes, whose two-phase column is keys + mix)."""
+    sites = list(model.sites.values())
+    n_sources = sites[-1].n
+    passes = {name: sum(t['site'](s.n + s.open) for s in sites) + t['source'] * n_sources for name, t in TRAFFIC.items()}
+    passes['two_phase'] = passes['keys_mix']
+    if model.routing_groups is not None:
+        grouped = [sites[first:first + size] for first, size in model.routing_groups]
+        alone = [s.n for s in sites if not any(s in g for g in grouped)]     # sees E only: keys + mix
         passes['two_phase'] = (sum(TRAFFIC['keys_mix']['site'](n) for n in alone) + 10 * n_sources
-                               + sum(group_passes(rest[a:b]) for a, b in zip(starts, starts[1:])))
-    else:
-        passes['two_phase'] = passes['keys_mix']
-    return {name: p * d * bytes_per_element for name, p in passes.items()}
+                               + sum(group_passes([s.n for s in g]) for g in grouped))
+    return {name: p * model.config.n_embd * bytes_per_element for name, p in passes.items()}
 
 
 def stream_bandwidth(n=2**25, rounds=5):
@@ -261,10 +260,9 @@ def modelled_traffic(modes):
     4 blocks, BF16) -> (shapes, {shape: {mode: routing_traffic}})."""
     shapes = {'this': (n_layer, n_embd, n_blocks, 2 if dtype in ('bfloat16', 'float16') else 4), '1b': (36, 1280, 4, 2)}
     with torch.device('meta'):      # the shapes only: no memory
-        sites = lambda m, L, d, nb: GPT(GPTConfig(vocab_size=8, n_layer=L, n_embd=d, n_head=1, n_kv_head=1, head_dim=8,
-                                                  intermediate_size=8, residual=m, n_blocks=nb, variant=variant)).routing_sites()
-        traffic = {shape: {m: routing_traffic(sites(m, L, d, nb), d, b, RESIDUAL_MODES[m][0] == 'sublayer')
-                           for m in modes if m != 'standard'}
+        model = lambda m, L, d, nb: GPT(GPTConfig(vocab_size=8, n_layer=L, n_embd=d, n_head=1, n_kv_head=1, head_dim=8,
+                                                  intermediate_size=8, residual=m, n_blocks=nb, variant=variant))
+        traffic = {shape: {m: routing_traffic(model(m, L, d, nb), b) for m in modes if m != 'standard'}
                    for shape, (L, d, nb, b) in shapes.items()}
     return shapes, traffic
 

@@ -7,7 +7,8 @@ agree in values and gradients (eager, compiled, BF16, DDP / FSDP2). docs/routing
 1. `keys` and `mix`: each source's logits at every later site computed once, when the source is completed, and a
    site only mixes; activation memory linear in depth;
 2. two-phase routing (`_Prefix`, `_Merge`) for the sublayer modes: each source read once per group of sites, the
-   groups chosen by `two_phase_groups` to minimise the modelled traffic (`group_passes`, which bench.py shares);
+   groups chosen by `two_phase_groups` to minimise the modelled traffic (`group_passes`, which bench.py shares) and
+   laid on the model's schedule of sites by `two_phase_schedule`;
 3. `RoutingOps`: that math compiled apart for GPT.compile_regional;
 4. `FastRouting`: the state of one forward pass on this path.
 It imports nothing of this repo either: exported Hugging Face directories carry it beside model.py.
@@ -124,6 +125,17 @@ def two_phase_groups(n):
         sizes.append(b - start[b])
         b = start[b]
     return sizes[::-1]
+
+
+def two_phase_schedule(sites):
+    """[(first site, number of sites)] of each two-phase group, over the sites (model.Site, in forward order) that mix
+    more than one source: a site that sees E alone has nothing to share, and routes by keys + mix."""
+    shared = [s for s in sites if s.n + s.open > 1]
+    groups, first = [], shared[0].index if shared else 0
+    for size in two_phase_groups([s.n for s in shared]):
+        groups.append((first, size))
+        first += size
+    return groups
 
 
 def _promoted(tensors):
@@ -246,26 +258,28 @@ EAGER = RoutingOps()
 class FastRouting:
     """The fast path's state for one forward pass, which model.Routing holds and calls:
         keys     [(first site, keys(source))] of each completed source: its logits at every later site
-        phase1   two-phase routing: (first site, size, number of sources, h, o, lse) of the open group
+        phase1   two-phase routing: (number of sources, h, o, lse) of the open group
+        next     the site after the last one routed: a source completed now is read from there on
     sites: [(proj, norm, gate)] of every routing site in forward order (their u = w * g, for the keys); groups (the
-    sublayer modes): route in two phases, in groups of these sizes (two_phase_groups) over the sites that mix more
-    than one source; ops: the routing math (EAGER, or compiled once for every site: GPT.compile_regional)."""
+    sublayer modes): route in two phases, in these groups of sites [(first site, size)] (two_phase_schedule); ops: the
+    routing math (EAGER, or compiled once for every site: GPT.compile_regional)."""
 
     def __init__(self, sites, eps, groups=None, ops=EAGER):
-        self.ops, self.eps, self.keys, self.phase1 = ops, eps, [], None
+        self.ops, self.eps, self.keys, self.phase1, self.next = ops, eps, [], None, 0
         self.U = torch.stack([p.weight[0] * n.weight for p, n, _ in sites]) if sites else None
         self.gates = [g for _, _, g in sites]
-        self.groups = iter(groups) if groups else None
+        self.group = {k: (first, size) for first, size in groups or [] for k in range(first, first + size)}
 
-    def add(self, s, next_site):
-        """A source completed before site next_site: its logits at every later site."""
-        if self.U is not None and next_site < len(self.U):     # (a source no later site reads needs no keys)
+    def add(self, s):
+        """A source completed now: its logits at every later site."""
+        if self.U is not None and self.next < len(self.U):     # (a source no later site reads needs no keys)
             # (contiguous: a slice's offset would be one more shape for the compiled ops to specialise on)
-            self.keys.append((next_site, keys(s, self.U[next_site:].contiguous(), self.eps, self.ops)))
+            self.keys.append((self.next, keys(s, self.U[self.next:].contiguous(), self.eps, self.ops)))
 
     def route(self, k, sources, block, h, gate):
         """Site k's sublayer input, as model.Routing.route defines it, and its weights (None: see weights)."""
-        if self.groups is not None and len(sources) > 1:   # (a site that sees E only has nothing to share)
+        self.next = k + 1
+        if k in self.group:
             return self.two_phase(k, sources, h, gate), None
         srcs = sources + ([] if block is None else [block])
         logits = [z[..., k - first] for first, z in self.keys]
@@ -283,9 +297,9 @@ class FastRouting:
     def two_phase(self, k, sources, h, gate):
         # the Functions where there is something to differentiate; else (evaluation, sampling) the math, saving nothing
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*sources, self.U, h, gate))
-        if self.phase1 is None or k == self.phase1[0] + self.phase1[1]:     # phase 1, at a group's first site
-            G = next(self.groups)
-            Z = torch.stack([z[..., k - first:k - first + G] for first, z in self.keys], -1)     # (B, T, G, N)
+        first, G = self.group[k]
+        if k == first:                                                      # phase 1, at a group's first site
+            Z = torch.stack([z[..., k - f:k - f + G] for f, z in self.keys], -1)                  # (B, T, G, N)
             gates = None if gate is None else torch.cat(self.gates[k:k + G])
             if grad:
                 res = _Prefix.apply(Z, gates, self.ops, *sources)
@@ -293,8 +307,8 @@ class FastRouting:
             else:
                 o, _, lse = self.ops.prefix(Z, _stack(sources))
                 o, lse = o.unbind(-2), lse.unbind(-1)
-            self.phase1 = (k, G, len(sources), h, o, lse)
-        first, _, n, h0, o, lse = self.phase1
+            self.phase1 = (len(sources), h, o, lse)
+        n, h0, o, lse = self.phase1
         inner = sources[n:]                                         # completed inside the group
         z = (torch.stack([zi[..., k - f] for f, zi in self.keys[n:]], -1) if inner
              else lse[0].new_zeros(*lse[0].shape, 0))

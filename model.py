@@ -5,7 +5,8 @@ Delta Block, arXiv 2605.18855). One file, read top to bottom:
 
 1. the routing rule (`route`), the papers' core, in a few lines, and `Routing`, the state a forward pass
    routes with: its sources and its verbs (start, route a site, a sublayer done); `OfficialRouting`, the
-   bookkeeping of the authors' code (variant='official'), in a few lines of its own;
+   bookkeeping of the authors' code (variant='official'), in a few lines of its own; `routing_schedule`, the
+   routing sites in forward order (GPT.sites), which everything that depends on the sites reads;
 2. the Qwen3 building blocks (RoPE, grouped-query attention with q/k norms, SwiGLU MLP);
 3. `GPT.forward`, where the five modes are two switches on one loop:
       which sources are routed   (every sublayer's output, or per-block sums), and
@@ -20,15 +21,16 @@ carry both); Hugging Face checkpoints in and out: checkpoints.py.
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 try:    # inside an exported Hugging Face directory, which transformers imports as a package
-    from .fast_routing import EAGER, FastRouting, RoutingOps, two_phase_groups
+    from .fast_routing import EAGER, FastRouting, RoutingOps, two_phase_schedule
 except ImportError:
-    from fast_routing import EAGER, FastRouting, RoutingOps, two_phase_groups
+    from fast_routing import EAGER, FastRouting, RoutingOps, two_phase_schedule
 
 # residual mode -> (source granularity, how the routed mix enters the sublayer input)
 RESIDUAL_MODES = {
@@ -84,6 +86,11 @@ class GPTConfig:
         # for standard, attnres and full_attnres the authors' code computes the papers' definitions
         return self.variant == 'official' and RESIDUAL_MODES[self.residual][1] == 'add'
 
+    def routed(self, i, kind):
+        """Does sublayer (layer i, 'attn' or 'mlp') route its input? Every one does, except in 'standard' and the
+        official variant's first attention (the authors' code routes it over nothing)."""
+        return self.residual != 'standard' and not (self.official and i == 0 and kind == 'attn')
+
 
 # -----------------------------------------------------------------------------
 # The routing rule. One routing site = a pseudo-query w (a bias-free Linear(d, 1), zero-init) and an
@@ -119,7 +126,7 @@ class Routing:
         last       the last sublayer's output (i, kind, v), which joins them when the next site routes
     and the three verbs the loop calls in every mode:
         start(E)                          the embedding is the first source
-        route(name, proj, norm, h, gate)  the next site's sublayer input
+        route(site, proj, norm, h, gate)  this site's sublayer input (site: a Site of GPT.sites)
         done(i, kind, v, h)               sublayer (i, kind) read h and returned v: v is a source for every later
                                           site (sublayer modes), or joins the open block, which is a source once
                                           the block is complete (block modes)
@@ -128,13 +135,13 @@ class Routing:
 
     def __init__(self, config, fast=None, stats=None):
         self.granularity, self.n_layer, self.lpb = RESIDUAL_MODES[config.residual][0], config.n_layer, config.layers_per_block
-        self.sources, self.block, self.last, self.next_site = [], None, None, 0
+        self.sources, self.block, self.last = [], None, None
         self.fast, self.stats = fast, stats
 
     def complete(self, s):
         self.sources.append(s)
         if self.fast is not None:
-            self.fast.add(s, self.next_site)
+            self.fast.add(s)
 
     def start(self, E):
         self.complete(E)
@@ -156,18 +163,22 @@ class Routing:
                 self.complete(self.block)                                   # the block is complete
                 self.block = None
 
-    def route(self, name, proj, norm, h=None, gate=None):
-        """The next site's sublayer input: the routed mix (replace: h=None), or h + gate * mix (add; gate None: 1)."""
+    def mixes(self):
+        """What the next site mixes: the completed sources, and the open block (None: no open block)."""
         self._take_last()
-        k, self.next_site = self.next_site, self.next_site + 1
+        return self.sources, self.block
+
+    def route(self, site, proj, norm, h=None, gate=None):
+        """The site's sublayer input: the routed mix (replace: h=None), or h + gate * mix (add; gate None: 1)."""
+        sources, block = self.mixes()
         if self.fast is not None:
-            x, alpha = self.fast.route(k, self.sources, self.block, h, gate)
+            x, alpha = self.fast.route(site.index, sources, block, h, gate)
         else:
-            out, alpha = route(self.sources + ([] if self.block is None else [self.block]), proj, norm)
+            out, alpha = route(sources + ([] if block is None else [block]), proj, norm)
             x = out if h is None else h + (out if gate is None else gate * out)
         if self.stats is not None:
             with torch.no_grad():
-                self.stats[name] = routing_stats(self.fast.weights(k) if alpha is None else alpha)
+                self.stats[site.name] = routing_stats(self.fast.weights(site.index) if alpha is None else alpha)
         return x
 
 
@@ -186,6 +197,45 @@ class OfficialRouting(Routing):
             self.complete(h - self.sources[-1] if self.sources else h)     # h: the stream this attention read
         if self.granularity == 'sublayer':
             self.last = (i, kind, v)
+
+
+class Site(NamedTuple):
+    """One routing site of the schedule (GPT.sites): its place in forward order, its name ('layers.3.attn', 'final'),
+    its sublayer (layer None: the final site), and what it mixes: n completed sources, and the open block if open=1."""
+    index: int
+    name: str
+    layer: Optional[int]
+    kind: str
+    n: int
+    open: int
+
+
+def routing_schedule(config):
+    """The routing sites in forward order: the one schedule that the forward pass, the parameter order, the FLOP
+    count, the two-phase groups and bench.py's traffic model read. What each site mixes is not a second formula:
+    it is Routing's own bookkeeping, run here on placeholders (0 for every tensor: it only adds and subtracts them)."""
+    replace = RESIDUAL_MODES[config.residual][1] == 'replace'
+    routing = (OfficialRouting if config.official else Routing)(config)
+    sites = []
+
+    def site(name, layer, kind):
+        sources, block = routing.mixes()
+        sites.append(Site(len(sites), name, layer, kind, len(sources), int(block is not None)))
+
+    routing.start(0)
+    for i in range(config.n_layer):
+        for kind in ('attn', 'mlp'):
+            if config.routed(i, kind):
+                site(f'layers.{i}.{kind}', i, kind)
+            routing.done(i, kind, 0, 0)
+    if replace:
+        site('final', None, 'final')
+    return sites
+
+
+def site_parameters(module, kind):
+    """(pseudo-query, key norm, gate) of the routing site `kind` that module owns; None for each it does not have."""
+    return tuple(getattr(module, f'{kind}_res_{part}', None) for part in ('proj', 'norm', 'gate'))
 
 
 # -----------------------------------------------------------------------------
@@ -280,8 +330,7 @@ class Layer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
-        routed = [] if cfg.residual == 'standard' else ['mlp'] if cfg.official and index == 0 else ['attn', 'mlp']
-        for kind in routed:
+        for kind in [k for k in ('attn', 'mlp') if cfg.routed(index, k)]:
             self.add_module(f'{kind}_res_proj', nn.Linear(d, 1, bias=False))
             self.add_module(f'{kind}_res_norm', nn.RMSNorm(d, eps=cfg.rms_norm_eps))
             if cfg.res_gate:
@@ -292,10 +341,9 @@ class Layer(nn.Module):
     def sublayers(self, cos, sin, kv=None):
         """(name, f, query, key norm, gate) for the attention and the MLP sublayer, in order; the routing
         parts are None where the mode has none (the gate exists only with res_gate=True)."""
-        site = lambda kind: tuple(getattr(self, f'{kind}_res_{part}', None) for part in ('proj', 'norm', 'gate'))
         return (
-            ('attn', lambda x: self.self_attn(self.input_layernorm(x), cos, sin, kv), *site('attn')),
-            ('mlp', lambda x: self.mlp(self.post_attention_layernorm(x)), *site('mlp')),
+            ('attn', lambda x: self.self_attn(self.input_layernorm(x), cos, sin, kv), *site_parameters(self, 'attn')),
+            ('mlp', lambda x: self.mlp(self.post_attention_layernorm(x)), *site_parameters(self, 'mlp')),
         )
 
 
@@ -319,9 +367,9 @@ class GPT(nn.Module):
             # AttnRes replaces the residual stream, so the final norm also reads a routed mix
             self.final_res_proj = nn.Linear(config.n_embd, 1, bias=False)
             self.final_res_norm = nn.RMSNorm(config.n_embd, eps=config.rms_norm_eps)
-        # two-phase routing (the sublayer modes): the sizes of its groups of sites, over those that mix more than E
-        self.routing_groups = (two_phase_groups([n for n, _ in self.routing_sites() if n > 1])
-                               if self.granularity == 'sublayer' else None)
+        self.sites = {s.name: s for s in routing_schedule(config)}      # the routing sites, in forward order
+        # two-phase routing (the sublayer modes): its groups of sites, [(first site, number of sites)]
+        self.routing_groups = two_phase_schedule(self.sites.values()) if self.granularity == 'sublayer' else None
         cos, sin = rope_tables(config.head_dim, config.block_size, config.rope_theta)
         self.register_buffer('rope_cos', cos, persistent=False)
         self.register_buffer('rope_sin', sin, persistent=False)
@@ -366,16 +414,14 @@ class GPT(nn.Module):
         routing.start(E)
         for i, layer in enumerate(self.layers):
             for kind, f, proj, norm, gate in layer.sublayers(cos, sin, None if kv_cache is None else kv_cache.layers[i]):
-                if proj is None:
-                    x = h                                              # no routing site here
-                else:
-                    x = routing.route(f'layers.{i}.{kind}', proj, norm, None if replace else h, gate)
+                site = self.sites.get(f'layers.{i}.{kind}')
+                x = h if site is None else routing.route(site, proj, norm, None if replace else h, gate)
                 v = f(x)
                 routing.done(i, kind, v, h)
                 if not replace:
                     h = h + v                                          # the residual stream is kept
         if replace:
-            h = routing.route('final', self.final_res_proj, self.final_res_norm)
+            h = routing.route(self.sites['final'], self.final_res_proj, self.final_res_norm)
 
         if kv_cache is not None:
             kv_cache.pos += T
@@ -416,7 +462,7 @@ class GPT(nn.Module):
             for unit in (layer.self_attn, layer.mlp):
                 unit.compile(fullgraph=True)
         self.routing_ops = RoutingOps(compiled=True)
-        return 2 * (max(self.routing_groups or [1]) + self.config.n_blocks + 2)
+        return 2 * (max([size for _, size in self.routing_groups or []], default=1) + self.config.n_blocks + 2)
 
     @staticmethod
     def is_routing(name):
@@ -426,29 +472,11 @@ class GPT(nn.Module):
 
     def routing_parameters(self):
         """[(pseudo-query, key norm, gate or None)] of every routing site, in forward order."""
-        sites = [(proj, norm, gate) for layer in self.layers for _, _, proj, norm, gate in layer.sublayers(None, None)
-                 if proj is not None]
-        return sites + ([(self.final_res_proj, self.final_res_norm, None)] if self.mixing == 'replace' else [])
-
-    def routing_sites(self):
-        """(completed sources, 1 if the open block is a source too) at each routing site, in forward order."""
-        cfg, lpb = self.config, self.config.layers_per_block
-        if self.mixing is None:
-            return []
-        if self.granularity == 'sublayer':
-            sites = [(1 + k, 0) for k in range(2 * cfg.n_layer)]
-        else:   # [E, blocks so far] + the open block, which is empty only at a block's first attention
-            sites = [(1 + i // lpb, int(kind == 'mlp' or i % lpb != 0)) for i in range(cfg.n_layer) for kind in ('attn', 'mlp')]
-        if self.mixing == 'replace':   # the final site also sees the last sublayer's output
-            n, o = sites[-1]
-            sites.append((n + 1, 0) if self.granularity == 'sublayer' else (n, o))
-        if self.config.official:       # the first attention is not routed; Delta Block's open block is no source
-            sites = [(n + o - (self.granularity == 'block'), 0) for n, o in sites[1:]]
-        return sites
+        return [site_parameters(self if s.layer is None else self.layers[s.layer], s.kind) for s in self.sites.values()]
 
     def routing_sources(self):
-        """Number of sources each routing site sees, in forward order (for the FLOP count)."""
-        return [n + o for n, o in self.routing_sites()]
+        """Number of sources each routing site mixes, in forward order (for the FLOP count)."""
+        return [s.n + s.open for s in self.sites.values()]
 
     def flops_per_token(self, T):
         """Training FLOPs (forward + backward) per token: 6N for the matmuls, attention scores as in

@@ -368,10 +368,19 @@ def test_optimizer_groups_and_flops():
     assert GPT(tiny_config(residual='attnres', n_blocks=3)).routing_sources() == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]
     assert GPT(tiny_config(residual='delta_block', n_blocks=3)).routing_sources() == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4]
     # which of them is the open block (5 layers in blocks of 2): E, then at each block's first attention a closed block
-    assert GPT(tiny_config(residual='delta_block', n_blocks=3)).routing_sites() == [
+    sites = lambda **kw: [(s.n, s.open) for s in GPT(tiny_config(**kw)).sites.values()]
+    assert sites(residual='delta_block', n_blocks=3) == [
         (1, 0), (1, 1), (1, 1), (1, 1), (2, 0), (2, 1), (2, 1), (2, 1), (3, 0), (3, 1)]
-    assert GPT(tiny_config(residual='delta_block', n_blocks=3, variant='official')).routing_sites() == [
+    assert sites(residual='delta_block', n_blocks=3, variant='official') == [
         (1, 0), (1, 0), (1, 0), (1, 0), (2, 0), (2, 0), (2, 0), (2, 0), (3, 0)]
+    # the one schedule: its names, in forward order, are the routing parameters' order and the statistics' keys
+    for kw in (dict(residual='attnres'), dict(residual='delta_attnres', variant='official', res_gate=True)):
+        m = GPT(tiny_config(**kw))
+        assert [s.index for s in m.sites.values()] == list(range(len(m.sites)))
+        assert [p for p, _, _ in m.routing_parameters()] == [mod for n, mod in m.named_modules() if n.endswith('_res_proj')]
+        _, _, stats = m(torch.zeros(1, 4, dtype=torch.long), stats=True)
+        assert list(stats) == list(m.sites) == [n[:-len('_res_proj')].replace('_', '.') if n != 'final_res_proj' else 'final'
+                                                 for n, _ in m.named_modules() if n.endswith('_res_proj')]
     std, full = GPT(tiny_config()), model
     assert full.flops_per_token(16) - std.flops_per_token(16) == 3 * 4 * 32 * sum(range(1, 11)) + 3 * 4 * 32 * 11 + 6 * 22 * 32
 
