@@ -38,7 +38,6 @@ ratio near that bound says the implementation runs at its schedule's traffic; on
 
 import atexit
 import contextlib
-import itertools
 import json as jsonlib
 import os
 import shutil
