@@ -38,6 +38,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import scipy.stats
 import torch
 
 from checks import InvalidValue, Missing
@@ -53,6 +54,15 @@ PER_RUN = ('seed', 'out_dir', 'wandb_run_name')
 EXECUTION = ('compile', 'compile_regional', 'log_interval', 'ddp_timeout_s', 'wandb_log', 'wandb_project')
 # Settings that belong to a residual mode: a mode's baseline is the standard run that agrees on everything else.
 MODE_KEYS = ('residual', 'variant', 'n_blocks', 'res_gate', 'routing_learning_rate', 'freeze_base')
+# Settings tuned per mode (study v2: each mode at its own best learning rate): left out when a mode is paired with its
+# baseline, which must then be the only standard group that agrees on everything else.
+TUNED = ('learning_rate', 'min_lr')
+# The 2x2 that model.py's two switches span: (a, b, what a - b isolates), paired seed by seed like the modes.
+CONTRASTS = (('delta_attnres', 'full_attnres', 'add − replace, sublayer sources'),
+             ('delta_block', 'attnres', 'add − replace, block sources'),
+             ('full_attnres', 'attnres', 'sublayer − block sources, replace'),
+             ('delta_attnres', 'delta_block', 'sublayer − block sources, add'))
+ALPHA = 0.05    # a claim is better or worse when its Holm-corrected paired-t p is below this (results/README.md)
 
 
 def load_run(path):
@@ -80,11 +90,14 @@ def make_run(run_dir, config, records, seconds, routing=None, routing_batches=No
     if not val:
         raise InvalidValue(f"{run_dir} has no evaluation yet (no val_loss record)")
     config = {'variant': 'paper', **config}   # runs from before the setting existed ran the papers' definitions
+    # the loss on the whole val split at the end (train.py's final_eval), or else the last evaluation
+    whole = [r['final_val_loss'] for r in records if 'final_val_loss' in r]
     # which code made it: the provenance record of each start and restart (none in runs from before it existed)
     commits = {commit_of(r['provenance']) for r in records if 'provenance' in r} or {'unknown'}
     # and which machine: runs.py records it from 2026-12-02 on (earlier runs: None)
     machines = {machine_of(r['provenance'], config) for r in records if 'provenance' in r} or {None}
-    return dict(dir=run_dir, config=config, val=val, train=[r for r in records if 'tok_per_s' in r], records=records,
+    return dict(dir=run_dir, config=config, val=val, final=whole[-1] if whole else val[max(val)], whole_split=bool(whole),
+                train=[r for r in records if 'tok_per_s' in r], records=records,
                 routing=routing, routing_batches=routing_batches, commits=commits, machines=machines, seconds=seconds)
 
 
@@ -222,7 +235,7 @@ def applies(key, residual):
 def summarize(group):
     """The numbers of one row: per seed, then mean (and spread) over seeds."""
     runs = group['runs']
-    final = [r['val'][max(r['val'])] for r in runs]
+    final = [r['final'] for r in runs]
     tok_s = [np.mean([t['tok_per_s'] for t in r['train'][1:]]) for r in runs if len(r['train']) > 1]
     mem = [max(t['mem_gib'] for t in r['train']) for r in runs if r['train']]
     routed = [r['routing'] for r in runs if r['routing']]
@@ -232,9 +245,13 @@ def summarize(group):
 
 
 def baseline_of(group, groups):
-    """The standard group that agrees with this one on every setting outside MODE_KEYS (same shape, data, schedule)."""
-    same = lambda g: all(g['config'].get(k) == v for k, v in group['config'].items() if k not in MODE_KEYS)
-    return next((g for g in groups if g['config']['residual'] == 'standard' and same(g)), None)
+    """The standard group that agrees with this one on every setting outside MODE_KEYS (same shape, data, schedule),
+    its learning rate aside if there is only one such group (each mode at its own tuned rate); None if none or several."""
+    same = lambda g, skip: all(g['config'].get(k) == v for k, v in group['config'].items() if k not in skip)
+    standard = [g for g in groups if g['config']['residual'] == 'standard']
+    exact = [g for g in standard if same(g, MODE_KEYS)]
+    tuned = [g for g in standard if same(g, MODE_KEYS + TUNED)]
+    return exact[0] if exact else tuned[0] if len(tuned) == 1 else None
 
 
 def main_table(groups, varying):
@@ -258,9 +275,8 @@ def seed_diffs(group, ref):
     """{seed: final val loss of this group's run - that of ref's run with the same seed}: a seed fixes the initial
     weights and the data order, so the two runs saw the same batches (at any depth: the batches do not depend on
     the model)."""
-    final = lambda r: r['val'][max(r['val'])]
-    ref_by_seed = {r['config']['seed']: final(r) for r in ref['runs']}
-    return {r['config']['seed']: final(r) - ref_by_seed[r['config']['seed']]
+    ref_by_seed = {r['config']['seed']: r['final'] for r in ref['runs']}
+    return {r['config']['seed']: r['final'] - ref_by_seed[r['config']['seed']]
             for r in group['runs'] if r['config']['seed'] in ref_by_seed}
 
 
@@ -285,27 +301,55 @@ def shallower_of(group, groups):
     return max(same, key=lambda g: g['config']['n_layer'], default=None)
 
 
-def paired_rows(pairs):
-    """Rows of (label, {seed: difference}): the differences per seed, their mean ± sample std, how many seeds are
-    lower (negative: better), and the verdict: better or worse where every seed agrees and the mean difference
-    exceeds the standard deviation of the differences, otherwise inside the spread."""
-    rows = []
+def holm(p):
+    """Holm's step-down correction of a family of p-values: the k-th smallest times (m - k + 1), kept monotone."""
+    adjusted, running = [0.0] * len(p), 0.0
+    for rank, i in enumerate(sorted(range(len(p)), key=p.__getitem__)):
+        running = max(running, min(1.0, (len(p) - rank) * p[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def paired_rows(pairs, verdicts=True):
+    """Rows of (label, {seed: difference}): the differences per seed, their mean and 95% paired-t interval, the
+    two-sided paired-t p (raw and Holm-corrected over the rows, one family) and the verdict: better (negative) or
+    worse where the corrected p is below ALPHA, otherwise inside the noise (verdicts=False: intervals only)."""
+    rows, tests = [], []
     for label, diffs in pairs:
         d = [diffs[s] for s in sorted(diffs)]
-        wins = sum(x < 0 for x in d)
-        beyond = len(d) > 1 and abs(statistics.fmean(d)) > statistics.stdev(d) and wins in (0, len(d))
-        verdict = ('better' if wins else 'worse') if beyond else 'inside the spread' if len(d) > 1 else '1 seed'
+        t = scipy.stats.ttest_1samp(d, 0.0) if len(d) > 2 else None
+        tests.append(t)
+        ci = t.confidence_interval(1 - ALPHA) if t else None
         rows.append([label, ', '.join(str(s) for s in sorted(diffs)), ' '.join(f"{x:+.4f}" for x in d),
-                     f"{statistics.fmean(d):+.4f} ± {statistics.stdev(d):.4f}" if len(d) > 1 else f"{d[0]:+.4f}",
-                     f"{wins}/{len(d)}", verdict])
+                     f"{statistics.fmean(d):+.4f}", f"[{ci.low:+.4f}, {ci.high:+.4f}]" if t else '—',
+                     f"{t.pvalue:.3f}" if t else '—'])
+    tested = [i for i, t in enumerate(tests) if t]
+    corrected = dict(zip(tested, holm([tests[i].pvalue for i in tested])))
+    for i, row in enumerate(rows):
+        if verdicts:
+            p = corrected.get(i)
+            row += ['—' if p is None else f"{p:.3f}",
+                    'fewer than 3 seeds' if p is None else ('better' if tests[i].statistic < 0 else 'worse')
+                    if p < ALPHA else 'inside the noise']
     return rows
 
 
+PAIRED_HEAD = ['seeds', 'Δ val loss per seed', 'mean', '95% interval', 'p']
+
+
 def paired_table(groups):
-    """Each mode against the standard group of the same settings, seed by seed."""
-    rows = paired_rows((g['label'], d) for g in groups if (d := paired_diffs(g, groups)))
-    head = ['run', 'seeds', 'Δ val loss per seed', 'mean ± std', 'wins', 'verdict']
-    return markdown(head, rows) if rows else None
+    """Each mode against the standard group of the same settings, and the 2x2 contrasts, seed by seed; the claims
+    against one standard group are one family (Holm)."""
+    tables = []
+    for ref in [g for g in groups if g['config']['residual'] == 'standard']:
+        mine = [g for g in groups if g is not ref and baseline_of(g, groups) is ref]
+        pairs = [(g['label'], d) for g in mine if (d := seed_diffs(g, ref))]
+        paper = {g['config']['residual']: g for g in mine if g['config']['variant'] == 'paper'}
+        pairs += [(f"{a} − {b} ({what})", d) for a, b, what in CONTRASTS
+                  if a in paper and b in paper and (d := seed_diffs(paper[a], paper[b]))]
+        if pairs:
+            tables.append(markdown(['claim', *PAIRED_HEAD, 'p, Holm', 'verdict'], paired_rows(pairs)))
+    return '\n\n'.join(tables) or None
 
 
 def depth_table(groups):
@@ -314,8 +358,28 @@ def depth_table(groups):
     for g in groups:
         if (ref := shallower_of(g, groups)) and (d := seed_diffs(g, ref)):
             pairs.append((f"{g['label']} − {ref['config']['n_layer']}×{ref['config']['n_embd']}", d))
-    head = ['run − shallower', 'seeds', 'Δ val loss per seed', 'mean ± std', 'deeper wins', 'verdict']
-    return markdown(head, paired_rows(pairs)) if pairs else None
+    return markdown(['run − shallower', *PAIRED_HEAD], paired_rows(pairs, verdicts=False)) if pairs else None
+
+
+def grid_table(groups):
+    """The learning-rate grid: each mode's final val loss (mean over its seeds) at each peak learning rate, and the
+    best -> (markdown, {mode: best lr}, [modes whose best is at an edge of their grid])."""
+    by_mode = {}
+    for g in groups:
+        cfg = g['config']
+        mode = cfg['residual'] + ('' if cfg['variant'] == 'paper' else f" ({cfg['variant']})")
+        by_mode.setdefault(mode, {})[cfg['learning_rate']] = g['summary']['loss']
+    lrs = sorted({lr for m in by_mode.values() for lr in m})
+    rows, best, edges = [], {}, []
+    for mode, losses in by_mode.items():
+        mean = {lr: statistics.fmean(v) for lr, v in losses.items()}
+        best[mode] = min(mean, key=mean.get)
+        if best[mode] in (min(mean), max(mean)):
+            edges.append(mode)
+        rows.append([mode] + [('—' if lr not in mean else f"**{mean[lr]:.4f}**" if lr == best[mode] else
+                               f"{mean[lr]:.4f}") + (f" ({len(losses[lr])})" if lr in losses and len(losses[lr]) > 1 else '')
+                              for lr in lrs] + [f"{best[mode]:g}" + (' (edge)' if mode in edges else '')])
+    return markdown(['mode', *[f"lr {lr:g}" for lr in lrs], 'best'], rows), best, edges
 
 
 def conversion_table(groups, baseline, pct):
@@ -510,85 +574,46 @@ def measure_routing(runs, how, batches, data_root, device):
 
 # -----------------------------------------------------------------------------
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('runs', nargs='+', metavar='RUN', help='train.py out_dirs (log.jsonl and ckpt), or runs saved by '
-                                                       '--save_runs (RUN.json)')
-    ap.add_argument('--save_runs', metavar='FOLDER', help="also save each run as FOLDER/<its folder's parent>/<its "
-                    "folder>.json (settings, log, measured routing, wall time: no weights), readable here in its place")
-    ap.add_argument('--out', help='folder to write table.md and the PNGs to (needs matplotlib)')
-    ap.add_argument('--figures', action=argparse.BooleanOptionalAction, default=True,
-                    help='with --out: the PNGs too (--no-figures: table.md only, e.g. the totals of a whole study)')
-    ap.add_argument('--routing', choices=['val', 'log'], default='val',
-                    help="val: forward passes of each final checkpoint on its dataset's val batches; "
-                         "log: the last logged training step (no model or data needed)")
-    ap.add_argument('--batches', type=int, default=8, help='val batches (of the run\'s batch_size x block_size) for --routing=val')
-    ap.add_argument('--data_root', help="where the runs' datasets are (default: each run's own data_root)")
-    ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', help='for --routing=val')
-    ap.add_argument('--baseline', type=float, help="the pretrained model's val loss, for the conversion table "
-                                                   "(default: the standard fine-tune's loss at step 0)")
-    ap.add_argument('--recover_pct', type=float, default=1.0, help='conversion: "recovered" = within this %% of the baseline')
-    args = ap.parse_args(argv)
-    if args.out and args.figures:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise SystemExit("report.py --out draws the figures with matplotlib: pip install matplotlib") from None
+MAIN_CAPTION = (
+    "Final validation loss and perplexity: on the whole val split where the run measured it at its end (train.py's "
+    "final_eval), else its last evaluation; mean ± sample standard deviation over seeds; Δ%: of the mean perplexity "
+    "against the standard run of the same shape and settings. tok/s: the mean of the logged throughput, the first log "
+    "record (warm-up, compilation) left out; mem: the peak logged (GPU: max allocated; CPU: the process's max RSS). "
+    "Max weight: the mean over tokens of the largest routing weight, averaged over the sublayer sites that have more "
+    "than one source, and over the deepest third of them; measured with {how}; mean ± std over seeds.")
+PAIRED_CAPTION = (
+    "Δ: the final val loss of the claim's first run minus its second's with the same seed (the same initial weights "
+    "and batches); negative: the first is better. 95% interval and p: paired t over the seeds; the claims of one "
+    "table are one family, their p Holm-corrected. Verdict: better or worse where the corrected p is below "
+    f"{ALPHA}; otherwise inside the noise.")
+DEPTH_CAPTION = ("Δ: the final val loss minus that of the same mode and settings at the next smaller depth, with the "
+                 "same seed (the same batches); negative: the deeper model is better. Intervals and raw p, no verdict.")
+GRID_CAPTION = ("Final val loss at each peak learning rate (mean over the grid's seeds, their number in brackets where "
+                "more than one), the best in bold; '(edge)': the best is the grid's smallest or largest rate, so the "
+                "grid should be extended. The chosen rates: best_lr.txt (with --out).")
 
-    try:
-        runs = [load_run(d) for d in args.runs]
-        measure_routing(runs, args.routing, args.batches, args.data_root, args.device)
-    except (ValueError, FileNotFoundError) as e:   # a missing, damaged or refused run or checkpoint: its message
-        raise SystemExit(f"report.py: error: {e}") from None
-    if args.save_runs:
-        saved = [save_run(r, args.save_runs) for r in runs]
-        print(f"saved {len(saved)} runs to {args.save_runs}", file=sys.stderr)
-    order = list(RESIDUAL_MODES)
-    groups = sorted(group_runs(runs), key=lambda g: (g['config']['n_layer'], g['config']['n_embd'],
-                                                     order.index(g['config']['residual']), g['config']['variant']))
-    # the settings that tell groups apart, beyond the table's columns (mode, variant, shape)
-    varying = sorted(k for k in set().union(*(g['config'] for g in groups))
-                     if k not in ('residual', 'variant', 'n_layer', 'n_embd')
-                     and len({repr(g['config'].get(k)) for g in groups}) > 1)
-    shapes = len({(g['config']['n_layer'], g['config']['n_embd']) for g in groups}) > 1
-    for g in groups:
-        cfg = g['config']
-        g['summary'] = summarize(g)
-        g['label'] = ' '.join([cfg['residual']] + [f"({cfg['variant']})"] * (cfg['variant'] != 'paper')
-                              + [f"{cfg['n_layer']}×{cfg['n_embd']}"] * shapes + [settings(g, varying)]).strip()
 
-    how = (f"forward passes of each run's final checkpoint on the first {args.batches} val batches of its dataset"
+def tables(runs, groups, args):
+    """The report's markdown: the main table, the paired and depth tables (or the learning-rate grid), the wall time,
+    the machines and commits, the conversion table -> (text, pretrained losses, {mode: best lr} or None)."""
+    how = (f"forward passes of each run's final checkpoint on {args.batches} val batches of its dataset"
            if args.routing == 'val' else "the last logged training step of each run (one micro-batch)")
-    text = [main_table(groups, varying), '',
-            f"Final validation loss and perplexity (the last evaluation of each run): mean ± sample standard deviation "
-            f"over seeds; Δ%: of the mean perplexity against the standard run of the same shape and settings. tok/s: "
-            f"the mean of the logged throughput, the first log record (warm-up, compilation) left out; mem: the peak "
-            f"logged (GPU: max allocated; CPU: the process's max RSS). Max weight: the mean over tokens of the largest "
-            f"routing weight, averaged over the sublayer sites that have more than one source, and over the deepest "
-            f"third of them; measured with {how}; mean ± std over seeds."]
-    paired = paired_table(groups)
-    if paired:
-        text += ['', '### Paired against standard, seed by seed', '', paired, '',
-                 "Δ: the mode's final val loss minus standard's with the same seed (the same initial weights and "
-                 "batches) and settings; negative is better. Verdict: better or worse where every seed agrees and "
-                 "the mean difference exceeds the standard deviation of the differences; otherwise inside the spread."]
-    deeper = depth_table(groups)
-    if deeper:
-        text += ['', '### Deeper against shallower, seed by seed', '', deeper, '',
-                 "Δ: the final val loss minus that of the same mode and settings at the next smaller depth, with the "
-                 "same seed (the same batches); negative: the deeper model is better. Verdict as above."]
+    varying = varying_settings(groups)
+    text, best = [main_table(groups, varying), '', MAIN_CAPTION.format(how=how)], None
+    if args.grid:
+        grid, best, edges = grid_table(groups)
+        text += ['', '### Learning-rate grid', '', grid, '', GRID_CAPTION]
+    else:
+        for title, table, caption in (('Paired, seed by seed', paired_table(groups), PAIRED_CAPTION),
+                                      ('Deeper against shallower, seed by seed', depth_table(groups), DEPTH_CAPTION)):
+            if table:
+                text += ['', f'### {title}', '', table, '', caption]
     timed = [r['seconds'] for r in runs if r['seconds'] is not None]
     if timed:
         text += ['', f"Wall time: {len(timed)} of the {len(runs)} runs recorded theirs (OUT_DIR/seconds), "
                  f"{sum(timed) / 3600:.2f} h in all ({statistics.fmean(timed) / 60:.1f} min per run on average)."]
-    text += [''] + machine_lines(runs, groups)
-    mixed = [g for g in groups if len(set().union(*(r['commits'] for r in g['runs']))) > 1]
-    for g in mixed:
-        text += ['', f"**Warning:** the runs of {g['label']} come from different commits: "
-                 + '; '.join(f"{r['dir']}: {', '.join(sorted(r['commits']))}" for r in g['runs'])
-                 + '. Their spread may be the code\'s, not the seeds\'.']
-    conv = [g for g in groups if is_conversion(g['config'])]
-    pretrained = {}
+    text += [''] + machine_lines(runs, groups) + commit_warnings(groups)
+    conv, pretrained = [g for g in groups if is_conversion(g['config'])], {}
     if conv:
         table, pretrained = conversion_table(conv, args.baseline, args.recover_pct)
         text += ['', '### Conversion', '', table, '',
@@ -596,20 +621,51 @@ def main(argv=None):
                                                      for k, v in pretrained.items())
                  + (' (--baseline)' if args.baseline is not None else ' (the standard fine-tune at step 0)')
                  + '. Steps: of the mean curve over seeds, at the evaluation steps.']
-    text = '\n'.join(text)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ''
-        header = (f"Made by `python {shlex.join(['report.py', *(argv if argv is not None else sys.argv[1:])])}` on "
-                  f"{platform.platform()} ({os.cpu_count()} CPUs{gpu}), torch {torch.__version__}, "
-                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.")
-        (out / 'table.md').write_text(header + '\n\n' + text + '\n')
-        if not args.figures:
-            print(f"wrote table.md to {out}", file=sys.stderr)
-            return
-        written = ['table.md', 'val_loss.png']
+    return '\n'.join(text), pretrained, best
+
+
+def varying_settings(groups):
+    """The settings that tell groups apart, beyond the table's columns (mode, variant, shape)."""
+    return sorted(k for k in set().union(*(g['config'] for g in groups))
+                  if k not in ('residual', 'variant', 'n_layer', 'n_embd') and len({repr(g['config'].get(k)) for g in groups}) > 1)
+
+
+def commit_warnings(groups):
+    return ['\n' + f"**Warning:** the runs of {g['label']} come from different commits: "
+            + '; '.join(f"{r['dir']}: {', '.join(sorted(r['commits']))}" for r in g['runs'])
+            + '. Their spread may be the code\'s, not the seeds\'.'
+            for g in groups if len(set().union(*(r['commits'] for r in g['runs']))) > 1]
+
+
+def make_groups(runs):
+    """The runs grouped by settings (seeds together), in order of shape and mode, each with its summary and label."""
+    order = list(RESIDUAL_MODES)
+    groups = sorted(group_runs(runs), key=lambda g: (g['config']['n_layer'], g['config']['n_embd'],
+                                                     order.index(g['config']['residual']), g['config']['variant'],
+                                                     g['config'].get('learning_rate', 0)))
+    varying = varying_settings(groups)
+    shapes = len({(g['config']['n_layer'], g['config']['n_embd']) for g in groups}) > 1
+    for g in groups:
+        cfg = g['config']
+        g['summary'] = summarize(g)
+        g['label'] = ' '.join([cfg['residual']] + [f"({cfg['variant']})"] * (cfg['variant'] != 'paper')
+                              + [f"{cfg['n_layer']}×{cfg['n_embd']}"] * shapes + [settings(g, varying)]).strip()
+    return groups
+
+
+def write_out(out, text, groups, pretrained, best, argv, figures):
+    """table.md (with the command, machine and time that made it), best_lr.txt for a grid, and the figures."""
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ''
+    header = (f"Made by `python {shlex.join(['report.py', *argv])}` on {platform.platform()} ({os.cpu_count()} CPUs"
+              f"{gpu}), torch {torch.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.")
+    (out / 'table.md').write_text(header + '\n\n' + text + '\n')
+    written = ['table.md']
+    if best:
+        (out / 'best_lr.txt').write_text(''.join(f"{mode} {lr:g}\n" for mode, lr in best.items() if ' ' not in mode))
+        written.append('best_lr.txt')
+    if figures:
+        written.append('val_loss.png')
         plot_val_loss(groups, out / 'val_loss.png', pretrained)
         if plot_paired(groups, out / 'paired.png'):
             written.append('paired.png')
@@ -620,7 +676,53 @@ def main(argv=None):
             if g['summary']['stats']:
                 written.append(f"heatmap_{re.sub(r'[^A-Za-z0-9.-]+', '_', g['label']).strip('_')}.png")
                 plot_heatmap(f"{g['label']}, mean of {seeds(g)}", g['summary']['stats'], out / written[-1])
-        print(f"wrote {', '.join(written)} to {out}", file=sys.stderr)
+    print(f"wrote {', '.join(written)} to {out}", file=sys.stderr)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('runs', nargs='+', metavar='RUN', help='train.py out_dirs (log.jsonl and ckpt), or runs saved by '
+                                                       '--save_runs (RUN.json)')
+    ap.add_argument('--save_runs', metavar='FOLDER', help="also save each run as FOLDER/<its folder's parent>/<its "
+                    "folder>.json (settings, log, measured routing, wall time: no weights), readable here in its place")
+    ap.add_argument('--out', help='folder to write table.md and the PNGs to (needs matplotlib)')
+    ap.add_argument('--figures', action=argparse.BooleanOptionalAction, default=True,
+                    help='with --out: the PNGs too (--no-figures: table.md only, e.g. the totals of a whole study)')
+    ap.add_argument('--grid', action='store_true', help="the runs are a learning-rate grid: a table of each mode's "
+                    "final val loss by learning rate instead of the paired tables, and (with --out) best_lr.txt")
+    ap.add_argument('--routing', choices=['val', 'log'], default='val',
+                    help="val: forward passes of each final checkpoint on its dataset's val batches; "
+                         "log: the last logged training step (no model or data needed)")
+    ap.add_argument('--batches', type=int, default=8, help='val batches (of the run\'s batch_size x block_size) for --routing=val')
+    ap.add_argument('--data_root', help="where the runs' datasets are (default: each run's own data_root)")
+    ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', help='for --routing=val')
+    ap.add_argument('--baseline', type=float, help="the pretrained model's val loss, for the conversion table "
+                                                   "(default: the standard fine-tune's loss at step 0)")
+    ap.add_argument('--recover_pct', type=float, default=1.0, help='conversion: "recovered" = within this %% of the baseline')
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    argv = argv if argv is not None else sys.argv[1:]
+    args = parse_args(argv)
+    if args.out and args.figures:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("report.py --out draws the figures with matplotlib: pip install matplotlib") from None
+    try:
+        runs = [load_run(d) for d in args.runs]
+        measure_routing(runs, args.routing, args.batches, args.data_root, args.device)
+    except (ValueError, FileNotFoundError) as e:   # a missing, damaged or refused run or checkpoint: its message
+        raise SystemExit(f"report.py: error: {e}") from None
+    if args.save_runs:
+        saved = [save_run(r, args.save_runs) for r in runs]
+        print(f"saved {len(saved)} runs to {args.save_runs}", file=sys.stderr)
+    groups = make_groups(runs)
+    text, pretrained, best = tables(runs, groups, args)
+    print(text)
+    if args.out:
+        write_out(Path(args.out), text, groups, pretrained, best, argv, args.figures)
 
 
 if __name__ == '__main__':

@@ -60,11 +60,11 @@ def test_table_equals_the_logs_and_plots_are_written(runs, corpus, tmp_path, cap
     ppl = {}
     for mode, row in rows.items():
         logs = [read_log(runs[mode, s]) for s in SEEDS]
-        final = [[r for r in log if 'val_loss' in r][-1] for log in logs]
+        final = [[r for r in log if 'final_val_loss' in r][-1] for log in logs]     # the whole val split at the end
         assert [r['step'] for r in final] == [6, 6]
-        ppl[mode] = [math.exp(r['val_loss']) for r in final]
+        ppl[mode] = [math.exp(r['final_val_loss']) for r in final]
         assert (row['seeds'], row['steps'], row['variant'], row['layers×width']) == ('2', '6', 'paper', '3×32')
-        assert row['val loss'] == spread([r['val_loss'] for r in final], 4)
+        assert row['val loss'] == spread([r['final_val_loss'] for r in final], 4)
         assert row['val ppl'] == spread(ppl[mode], 2)
         tok_s = [np.mean([r['tok_per_s'] for r in log if 'tok_per_s' in r][1:]) for log in logs]
         assert row['tok/s'] == f"{np.mean(tok_s):,.0f}"
@@ -88,7 +88,7 @@ def test_table_equals_the_logs_and_plots_are_written(runs, corpus, tmp_path, cap
         deep.append(np.mean(mw[-1:]))                 # the deepest third of 5 sites: the last one
     assert rows['delta_block']['max weight'] == spread(overall, 3)
     assert rows['delta_block']['max weight, deep third'] == spread(deep, 3)
-    assert 'first 3 val batches' in printed
+    assert 'on 3 val batches' in printed
 
     # table.md: a header line with the command, machine and date, then what was printed
     header, rest = (out / 'table.md').read_text().split('\n\n', 1)
@@ -236,8 +236,19 @@ def test_the_machines_and_a_warning_for_each_pair_across_machines(tmp_path, caps
     assert '**Warning:** seed 1 of standard 12×768 ran on A and its pair in standard 4×768 on C' in printed
 
 
+T_975_DF2 = 4.302652729911275     # the 97.5% quantile of Student's t with 2 degrees of freedom (3 seeds)
+
+
+def paired_t(d):
+    """mean, 95% interval and two-sided p of 3 paired differences, by hand: with 2 degrees of freedom the t
+    distribution's CDF is 1/2 + t / (2 sqrt(t^2 + 2)), so p = 1 - |t| / sqrt(t^2 + 2)."""
+    m, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(3)
+    t = m / se
+    return m, (m - T_975_DF2 * se, m + T_975_DF2 * se), 1 - abs(t) / math.sqrt(t * t + 2)
+
+
 def test_paired_differences_against_standard_seed_by_seed(tmp_path, capsys):
-    # seeds 0-2 of standard; attnres wins on every seed by more than the spread, delta_block on two of three;
+    # seeds 0-2 of standard; attnres lower on every seed by far more than the spread, delta_block on two of three;
     # full_attnres has only seeds 1 and 2 (paired with those), one seed of a 4-layer standard has no pair here
     std = {0: 2.00, 1: 2.10, 2: 1.90}
     modes = {'attnres': {0: 1.90, 1: 2.01, 2: 1.79}, 'delta_block': {0: 1.95, 1: 2.12, 2: 1.80},
@@ -253,27 +264,72 @@ def test_paired_differences_against_standard_seed_by_seed(tmp_path, capsys):
     report.main(dirs + ['--routing=log'])
     printed = capsys.readouterr().out
     assert 'Wall time: 3 of the 12 runs recorded theirs (OUT_DIR/seconds), 0.10 h in all (2.0 min per run' in printed
-    paired = printed.split('### Paired against standard, seed by seed')[1].strip()
-    rows = {r['run'].removesuffix(' 12×768'): r for r in parse(paired)}     # labels carry the shape: two shapes
-    assert set(rows) == {'attnres', 'delta_block', 'full_attnres'}    # the 4-layer run has no standard to pair
-    d = [1.90 - 2.00, 2.01 - 2.10, 1.79 - 1.90]
-    assert rows['attnres']['Δ val loss per seed'] == ' '.join(f"{x:+.4f}" for x in d)
-    assert rows['attnres']['mean ± std'] == spread(d, 4) and rows['attnres']['wins'] == '3/3'
-    assert rows['attnres']['verdict'] == 'better'
-    assert (rows['delta_block']['wins'], rows['delta_block']['verdict']) == ('2/3', 'inside the spread')
-    assert (rows['full_attnres']['seeds'], rows['full_attnres']['wins'], rows['full_attnres']['verdict']) == ('1, 2', '0/2', 'worse')
+    paired = printed.split('### Paired, seed by seed')[1].strip()
+    rows = {r['claim'].removesuffix(' 12×768'): r for r in parse(paired)}     # labels carry the shape: two shapes
+    # the 4-layer run has no standard to pair; of the 2x2 only delta_block - attnres has both sides (full_attnres -
+    # attnres has 2 seeds: no interval)
+    contrast = 'delta_block − attnres (add − replace, block sources)'
+    assert set(rows) == {'attnres', 'delta_block', 'full_attnres', contrast,
+                         'full_attnres − attnres (sublayer − block sources, replace)'}
+    d = {'attnres': [1.90 - 2.00, 2.01 - 2.10, 1.79 - 1.90], 'delta_block': [1.95 - 2.00, 2.12 - 2.10, 1.80 - 1.90],
+         contrast: [1.95 - 1.90, 2.12 - 2.01, 1.80 - 1.79]}
+    stats = {k: paired_t(v) for k, v in d.items()}
+    # Holm over the family of three tested claims: the smallest p times 3, the next times 2, the largest times 1
+    ranked = sorted(stats, key=lambda k: stats[k][2])
+    holm = {}
+    for i, k in enumerate(ranked):
+        holm[k] = min(1.0, max([(3 - i) * stats[k][2]] + [holm[j] for j in ranked[:i]]))
+    for k, (m, (lo, hi), p) in stats.items():
+        r = rows[k]
+        assert r['Δ val loss per seed'] == ' '.join(f"{x:+.4f}" for x in d[k]) and r['seeds'] == '0, 1, 2'
+        assert (r['mean'], r['95% interval'], r['p'], r['p, Holm']) == \
+            (f"{m:+.4f}", f"[{lo:+.4f}, {hi:+.4f}]", f"{p:.3f}", f"{holm[k]:.3f}")
+    assert holm['attnres'] < 0.05 and rows['attnres']['verdict'] == 'better'
+    assert holm['delta_block'] > 0.05 and rows['delta_block']['verdict'] == 'inside the noise'
+    assert rows[contrast]['verdict'] == 'inside the noise'
+    r = rows['full_attnres']
+    assert (r['seeds'], r['mean'], r['95% interval'], r['verdict']) == ('1, 2', '+0.1750', '—', 'fewer than 3 seeds')
     # with a 4-layer standard run the 4-layer delta_block has its pair too, and the groups vary in depth: a figure
     dirs += [fake_run(tmp_path / 'standard4', 0, {0: 5.0, 100: 1.5}, dict(n_layer=4))]
     report.main(dirs + ['--routing=log'] + ['--out', str(tmp_path / 'fig')] * plots)
-    rows = {r['run']: r for r in parse(capsys.readouterr().out.split('seed by seed')[1].strip())}
-    assert rows['delta_block 4×768']['Δ val loss per seed'] == '-0.5000' and rows['delta_block 4×768']['verdict'] == '1 seed'
+    rows = {r['claim']: r for r in parse(capsys.readouterr().out.split('seed by seed')[1].strip())}
+    assert rows['delta_block 4×768']['Δ val loss per seed'] == '-0.5000'
+    assert rows['delta_block 4×768']['verdict'] == 'fewer than 3 seeds'
     if plots:
         assert is_png(tmp_path / 'fig' / 'paired.png')
 
 
+def test_each_mode_at_its_own_learning_rate_and_the_grid(tmp_path, capsys):
+    # a grid: standard and delta_block at three learning rates, one seed; delta_block's best is at the grid's edge
+    grid = {('standard', 1.5e-3): 2.05, ('standard', 3e-3): 2.00, ('standard', 6e-3): 2.02,
+            ('delta_block', 1.5e-3): 2.10, ('delta_block', 3e-3): 2.03, ('delta_block', 6e-3): 1.99}
+    dirs = [fake_run(tmp_path / f'{m}_{lr}', 100, {0: 5.0, 100: v}, dict(residual=m, learning_rate=lr, min_lr=lr / 10))
+            for (m, lr), v in grid.items()]
+    report.main(dirs + ['--routing=log', '--grid', '--out', str(tmp_path / 'grid'), '--no-figures'])
+    rows = {r['mode']: r for r in parse(capsys.readouterr().out.split('### Learning-rate grid')[1].strip())}
+    assert rows['standard']['lr 0.003'] == '**2.0000**' and rows['standard']['best'] == '0.003'
+    assert rows['delta_block']['lr 0.006'] == '**1.9900**' and rows['delta_block']['best'] == '0.006 (edge)'
+    assert (tmp_path / 'grid' / 'best_lr.txt').read_text() == 'standard 0.003\ndelta_block 0.006\n'
+    # the verdict runs, each mode at its own rate: paired with the one standard group despite the different rates;
+    # the whole-split loss (final_val_loss) is the one compared, not the last evaluation
+    dirs = []
+    for s, (a, b) in enumerate([(2.00, 1.90), (2.10, 2.01), (1.90, 1.79)]):
+        for m, lr, v in (('standard', 3e-3, a), ('delta_block', 6e-3, b)):
+            path = fake_run(tmp_path / f'{m}_s{s}', s, {0: 5.0, 100: v + 1}, dict(residual=m, learning_rate=lr, min_lr=lr / 10))
+            with open(Path(path) / 'log.jsonl', 'a') as f:
+                f.write(json.dumps(dict(step=100, final_val_loss=v, final_val_tokens=1000)) + '\n')
+            dirs.append(path)
+    report.main(dirs + ['--routing=log'])
+    printed = capsys.readouterr().out
+    rows = {r['claim']: r for r in parse(printed.split('### Paired, seed by seed')[1].strip())}
+    assert [r['Δ val loss per seed'] for r in rows.values()] == ['-0.1000 -0.0900 -0.1100'], rows
+    assert {r['mode']: r['val loss'] for r in parse(printed)} == {'standard': spread([2.00, 2.10, 1.90], 4),
+                                                                   'delta_block': spread([1.90, 2.01, 1.79], 4)}
+
+
 def test_deeper_against_shallower_seed_by_seed(tmp_path, capsys):
-    # standard at 4, 12 and 24 layers (seeds 0-2): 12 beats 4 on every seed by more than the spread, 24 beats 12 on
-    # two seeds; delta_block at 4 and 24 layers only (its pair skips the missing depth); 24-layer standard lacks seed 2
+    # standard at 4, 12 and 24 layers (seeds 0-2); delta_block at 4 and 24 layers only (its pair skips the missing
+    # depth); 24-layer standard lacks seed 2. Intervals and p, no verdicts (results/README.md's rule)
     loss = {('standard', 4): {0: 2.00, 1: 2.10, 2: 1.90}, ('standard', 12): {0: 1.80, 1: 1.95, 2: 1.70},
             ('standard', 24): {0: 1.75, 1: 1.97}, ('delta_block', 4): {0: 2.05, 1: 2.00},
             ('delta_block', 24): {0: 1.85, 1: 2.20}}
@@ -283,11 +339,11 @@ def test_deeper_against_shallower_seed_by_seed(tmp_path, capsys):
     rows = {r['run − shallower']: r for r in parse(capsys.readouterr().out.split('### Deeper against shallower, seed by seed')[1].strip())}
     assert set(rows) == {'standard 12×768 − 4×768', 'standard 24×768 − 12×768', 'delta_block 24×768 − 4×768'}
     d = [1.80 - 2.00, 1.95 - 2.10, 1.70 - 1.90]
+    m, (lo, hi), p = paired_t(d)
     r = rows['standard 12×768 − 4×768']
-    assert (r['Δ val loss per seed'], r['mean ± std'], r['deeper wins'], r['verdict']) == \
-        (' '.join(f"{x:+.4f}" for x in d), spread(d, 4), '3/3', 'better')
+    assert (r['Δ val loss per seed'], r['mean'], r['95% interval'], r['p']) == \
+        (' '.join(f"{x:+.4f}" for x in d), f"{m:+.4f}", f"[{lo:+.4f}, {hi:+.4f}]", f"{p:.3f}")
+    assert 'verdict' not in r
     r = rows['standard 24×768 − 12×768']
-    assert (r['seeds'], r['Δ val loss per seed'], r['deeper wins'], r['verdict']) == \
-        ('0, 1', '-0.0500 +0.0200', '1/2', 'inside the spread')
-    r = rows['delta_block 24×768 − 4×768']
-    assert (r['Δ val loss per seed'], r['deeper wins'], r['verdict']) == ('-0.2000 +0.2000', '1/2', 'inside the spread')
+    assert (r['seeds'], r['Δ val loss per seed'], r['95% interval']) == ('0, 1', '-0.0500 +0.0200', '—')
+    assert rows['delta_block 24×768 − 4×768']['Δ val loss per seed'] == '-0.2000 +0.2000'

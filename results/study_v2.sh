@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Study v2 (results/README.md, "Study v2": the design and the decision rule, committed before these runs).
 # config/study_v2.py: d=64, sequences of 256 bytes, 4 per step, 4000 steps = 4.1M training tokens, compiled.
-# The parts, in order (each mode's learning rate: from the grid of its depth and width, results/study_v2/lr_*.txt):
+# The parts, in order (each mode's learning rate: from the grid of its depth and width, results/study_v2/grid*/best_lr.txt):
 #   grid12     the 2x2 and standard at 12 layers, lr 1.5e-3, 3e-3, 6e-3, grid seed 100                15 runs
 #   L12        the 2x2, standard and delta_block variant=official at 12 layers, seeds 0-4            30 runs
 #   L4         standard at 4 layers, seeds 0-4 (does depth help standard at this shape?)             5 runs
@@ -26,9 +26,9 @@ run() {   # out_dir mode lr settings...: one line for run_all (min_lr: a tenth o
     echo "$dir config/study_v2.py --residual=$mode --learning_rate=$lr --min_lr=$(python -c "print($lr / 10)") $*"
 }
 
-best_lr() {   # the chosen lr of a mode: results/study_v2/lr_<grid>.txt, lines "mode lr" (report.py --grid)
-    local file=results/study_v2/lr_$1.txt
-    [ -f "$file" ] || { echo "no $file: run the grid part and report.py --grid first" >&2; exit 1; }
+best_lr() {   # the chosen lr of a mode: results/study_v2/grid<12|24|w>/best_lr.txt, lines "mode lr" (report.py --grid)
+    local file=results/study_v2/grid$1/best_lr.txt
+    [ -f "$file" ] || { echo "no $file: run the grid part and report.py --grid --out=results/study_v2/grid$1 first" >&2; exit 1; }
     awk -v m="$2" '$1 == m {print $2}' "$file"
 }
 
