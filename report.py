@@ -465,29 +465,51 @@ def plot_val_loss(groups, path, pretrained):
         ax.grid(alpha=0.3)
     axes[0].set_ylabel('val loss (nats/token)')
     axes[0].legend(fontsize=7)
+    fig.suptitle(shape_and_budget(groups), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def shape_and_budget(groups):
+    """'12×64, T=256, 4.1M tokens' for the figures' titles: the shapes and budgets the groups span."""
+    tokens = lambda c: c['max_iters'] * c['batch_size'] * c['block_size'] * c['gradient_accumulation_steps']
+    shapes = sorted({f"{g['config']['n_layer']}×{g['config']['n_embd']}" for g in groups}, key=lambda x: tuple(map(int, x.split('×'))))
+    budget = sorted({(g['config']['block_size'], tokens(g['config'])) for g in groups})
+    return f"{', '.join(shapes)}; " + ', '.join(f"T={t}, {n / 1e6:.2f}M training tokens" for t, n in budget)
+
+
 def plot_max_weight(groups, path):
+    """The papers' sharpness figure, one panel per routed group: the mean max routing weight at each sublayer site by
+    depth (thin: each seed; thick: their mean), and dashed the floor 1/N that a uniform mix over the site's N sources
+    would give (a site cannot be less concentrated than that)."""
+    routed = [g for g in groups if g['summary']['stats']]
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, g in enumerate(groups):
+    cols = min(3, len(routed))
+    fig, axes = plt.subplots(math.ceil(len(routed) / cols), cols, figsize=(4.2 * cols, 3.2 * math.ceil(len(routed) / cols)),
+                             sharex=True, sharey=True, squeeze=False)
+    for ax, g in zip(axes.flat, routed):
         stats = g['summary']['stats']
-        if stats is None:      # a standard run has no routing: no curve, but its color stays its own
-            continue
         sites = depth_sites(stats)
         depth = [2 * int(s.split('.')[1]) + (s.endswith('mlp')) for s in sites]   # sublayer index: 2*layer + (mlp)
-        ax.plot(depth, [stats[s]['max_weight'] for s in sites], color=f'C{i % 10}', marker='o', ms=3,
-                label=f"{g['label']} (mean of {seeds(g)})")
-    ax.set_xlabel('sublayer depth (attention and MLP sublayers, in order)')
-    ax.set_ylabel('mean max routing weight')
-    ax.set_ylim(0, 1)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title('How concentrated the routing is')
+        for r in g['runs']:
+            if r['routing']:
+                ax.plot(depth, [r['routing'][s]['max_weight'] for s in sites], color='C0', lw=0.7, alpha=0.5)
+        ax.plot(depth, [stats[s]['max_weight'] for s in sites], color='C0', lw=1.8, marker='o', ms=3,
+                label=f"mean of {seeds(g)}")
+        ax.plot(depth, [1 / len(stats[s]['weights']) for s in sites], 'k--', lw=0.9, label='uniform mix, 1/N')
+        ax.set_title(g['label'], fontsize=9)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes.flat[len(routed):]:
+        ax.axis('off')
+    for ax in axes[-1]:
+        ax.set_xlabel('sublayer depth (attention, MLP, ...)')
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    for ax in axes[:, 0]:
+        ax.set_ylabel('mean max routing weight')
+    fig.suptitle(f"How concentrated the routing is ({shape_and_budget(groups)})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -511,16 +533,31 @@ def plot_paired(groups, path):
             continue
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(7, 4))
+        xs = sorted({x for pts in lines.values() for x, _ in pts})
         for i, (name, pts) in enumerate(sorted(lines.items())):
             pts.sort()
-            ax.plot([x for x, _ in pts], [np.mean(d) for _, d in pts], color=f'C{i % 10}', marker='o', label=name)
+            orig = [x for x, _ in pts]
+            color = f'C{i % 10}'
+            dodge = (i - (len(lines) - 1) / 2) * 0.012 * (1 if label == 'training tokens' else max(xs) - min(xs))
+            pts = [(x * (1 + dodge) if label == 'training tokens' else x + dodge, d) for x, d in pts]   # side by side
+            # a line only between neighbouring values of the axis: a mode not run at some depth is a gap, not a slope
+            start = 0
+            for k in range(1, len(pts) + 1):
+                if k == len(pts) or xs.index(orig[k]) != xs.index(orig[k - 1]) + 1:
+                    ax.plot([x for x, _ in pts[start:k]], [np.mean(d) for _, d in pts[start:k]], color=color,
+                            marker='o', label=name if start == 0 else None)
+                    start = k
             for x, d in pts:
-                ax.scatter([x] * len(d), d, color=f'C{i % 10}', s=8, alpha=0.5)
+                ax.scatter([x] * len(d), d, color=color, s=8, alpha=0.5)
+                if len(d) > 2:      # the 95% paired-t interval of the mean
+                    ci = scipy.stats.ttest_1samp(d, 0.0).confidence_interval(0.95)
+                    ax.vlines(x, ci.low, ci.high, color=color, lw=2, alpha=0.6)
         ax.axhline(0, color='k', lw=0.8)
         ax.set_xscale('log' if label == 'training tokens' else 'linear')
         ax.set_xlabel(label)
         ax.set_ylabel('final val loss minus standard (same seed)')
-        ax.set_title(f'Each mode against standard, by {label} (below 0: better)', fontsize=10)
+        ax.set_title(f'Each mode minus standard, same seed, by {label} (below 0: better; bars: 95% paired-t)\n'
+                     f'{shape_and_budget(groups)}', fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
