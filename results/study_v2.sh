@@ -9,8 +9,8 @@
 #   L24        the 2x2 and standard at 24 layers, seeds 0-4                                          25 runs
 #   gridw      width 128 (8 heads of 16, 4 KV heads, SwiGLU 384) at 12 layers: 12-layer lr and half  10 runs
 #   W128       the 2x2 and standard at width 128, seeds 0-4                                          25 runs
-# A 12-layer grid whose best lr is at an edge is extended by the next factor of 2: EXTEND_12="0.75e-3" (or 1.2e-2)
-# adds that lr for every mode.
+# A 12-layer grid whose best lr is at an edge is extended by the next factor of 2: EXTEND_12="standard:0.75e-3
+# attnres:1.2e-2" adds those runs.
 # bash results/study_v2.sh [PART ...]; JOBS runs at a time, one thread each (results/study_runs.sh). A finished run
 # is saved in results/runs/v2_<part>/ and skipped from then on, so the script can be stopped and started again.
 set -euo pipefail
@@ -33,11 +33,16 @@ best_lr() {   # the chosen lr of a mode: results/study_v2/grid<12|24|w>/best_lr.
 }
 
 grid12() {
-    for mode in $MODES; do
-        for lr in 1.5e-3 3e-3 6e-3 ${EXTEND_12:-}; do
-            run $OUT/v2_grid12/${mode}_lr${lr}_s$GRID_SEED $mode $lr --seed=$GRID_SEED
+    {
+        for mode in $MODES; do
+            for lr in 1.5e-3 3e-3 6e-3; do
+                run $OUT/v2_grid12/${mode}_lr${lr}_s$GRID_SEED $mode $lr --seed=$GRID_SEED
+            done
         done
-    done | run_all
+        for extra in ${EXTEND_12:-}; do     # mode:lr, where a mode's best is at an edge of the grid
+            run $OUT/v2_grid12/${extra%%:*}_lr${extra#*:}_s$GRID_SEED ${extra%%:*} ${extra#*:} --seed=$GRID_SEED
+        done
+    } | run_all
 }
 
 verdict() {   # part grid settings...: the 2x2 and standard, seeds 0-4, each at its lr of the grid
