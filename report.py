@@ -294,11 +294,17 @@ def paired_diffs(group, groups):
 
 
 def shallower_of(group, groups):
-    """The group of the same mode and settings with the most layers below this group's, or None."""
+    """The group of the same mode and settings with the most layers below this group's, or None; its learning rate
+    aside if that depth has only one such group (each depth at its own tuned rate)."""
     cfg = group['config']
-    same = [g for g in groups if g['config']['n_layer'] < cfg['n_layer']
-            and all(g['config'].get(k) == v for k, v in cfg.items() if k != 'n_layer')]
-    return max(same, key=lambda g: g['config']['n_layer'], default=None)
+    below = lambda skip: [g for g in groups if g['config']['n_layer'] < cfg['n_layer']
+                          and all(g['config'].get(k) == v for k, v in cfg.items() if k not in skip)]
+    exact, tuned = below(('n_layer',)), below(('n_layer',) + TUNED)
+    if exact:
+        return max(exact, key=lambda g: g['config']['n_layer'])
+    deepest = max((g['config']['n_layer'] for g in tuned), default=None)
+    at = [g for g in tuned if g['config']['n_layer'] == deepest]
+    return at[0] if len(at) == 1 else None
 
 
 def holm(p):

@@ -325,6 +325,14 @@ def test_each_mode_at_its_own_learning_rate_and_the_grid(tmp_path, capsys):
     assert [r['Δ val loss per seed'] for r in rows.values()] == ['-0.1000 -0.0900 -0.1100'], rows
     assert {r['mode']: r['val loss'] for r in parse(printed)} == {'standard': spread([2.00, 2.10, 1.90], 4),
                                                                    'delta_block': spread([1.90, 2.01, 1.79], 4)}
+    # and at 4 layers, standard at another tuned rate: each depth pairs with the other despite the rates
+    for s, v in enumerate([2.10, 2.20, 2.00]):
+        dirs.append(fake_run(tmp_path / f'standard4_s{s}', s, {0: 5.0, 100: v},
+                             dict(n_layer=4, learning_rate=6e-3, min_lr=6e-4)))
+    report.main(dirs + ['--routing=log'])
+    rows = parse(capsys.readouterr().out.split('### Deeper against shallower, seed by seed')[1].strip())
+    assert [(r['run − shallower'].split(' ')[0], r['Δ val loss per seed']) for r in rows] == \
+        [('standard', '-0.1000 -0.1000 -0.1000')]
 
 
 def test_deeper_against_shallower_seed_by_seed(tmp_path, capsys):
