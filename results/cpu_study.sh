@@ -68,10 +68,4 @@ depth() { depth_runs 4 24; }
 depth36() { depth_runs 36; }
 
 mkdir -p $OUT results/runs
-for part in "${@:-compare depth convert length depth36}"; do
-    for p in $part; do
-        start=$(date +%s)
-        $p
-        echo "$p $(date -u +%FT%TZ) $(( $(date +%s) - start )) s wall, JOBS=$JOBS, $(git rev-parse --short HEAD)" >> results/runs/time.txt
-    done
-done
+run_parts "" "compare depth convert length depth36" "$@"

@@ -27,3 +27,14 @@ train_one() {
 }
 export -f train_one
 run_all() { xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _; }
+
+# The named parts (functions of the calling script), in order, or the default ones; each part's wall time is
+# appended to results/runs/time.txt with the commit that ran it. run_parts LABEL "DEFAULT PARTS" [PART ...]
+run_parts() {
+    local label=$1 defaults=$2 p start; shift 2
+    for p in ${@:-$defaults}; do
+        start=$(date +%s)
+        $p
+        echo "$label$p $(date -u +%FT%TZ) $(( $(date +%s) - start )) s wall, JOBS=$JOBS, $(git rev-parse --short HEAD)" >> results/runs/time.txt
+    done
+}

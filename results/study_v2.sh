@@ -76,10 +76,4 @@ gridw() { halves gridw $WIDE; }
 W128() { verdict W128 w $WIDE; }
 
 mkdir -p $OUT results/runs
-for part in "${@:-grid12 L12 L4 grid24 L24 gridw W128}"; do
-    for p in $part; do
-        start=$(date +%s)
-        $p
-        echo "v2 $p $(date -u +%FT%TZ) $(( $(date +%s) - start )) s wall, JOBS=$JOBS, $(git rev-parse --short HEAD)" >> results/runs/time.txt
-    done
-done
+run_parts "v2 " "grid12 L12 L4 grid24 L24 gridw W128" "$@"
