@@ -13,7 +13,7 @@ weights for the routing measurement), or a run saved by --save_runs (the same wi
 already measured): results/runs holds the CPU study's, so its tables can be remade and extended. Runs whose settings differ only in `seed` (and `out_dir`,
 `wandb_run_name`) are one group: a row of the table gives the mean +- the sample standard deviation over
 its seeds. Below it, seed by seed (a seed fixes the batches): each mode against `standard` of the same settings,
-and each depth against the next smaller depth of the same mode and settings; then which machines made the runs,
+and each depth (width) against the next smaller depth (width) of the same mode and settings; then which machines made the runs,
 with a warning for a seed paired across two (runs on different CPUs are not bit-equal). The figures (matplotlib, imported
 only with --out):
   val_loss.png     validation loss against step, one color per group (thin: each seed; thick: their mean)
@@ -293,17 +293,21 @@ def paired_diffs(group, groups):
     return {} if ref is None or ref is group else seed_diffs(group, ref)
 
 
-def shallower_of(group, groups):
-    """The group of the same mode and settings with the most layers below this group's, or None; its learning rate
-    aside if that depth has only one such group (each depth at its own tuned rate)."""
-    cfg = group['config']
-    below = lambda skip: [g for g in groups if g['config']['n_layer'] < cfg['n_layer']
+# The two scale axes of a study: the settings that change together along each (the first one orders the sizes).
+AXES = {'depth': ('n_layer',), 'width': ('n_embd', 'n_head', 'n_kv_head', 'intermediate_size')}
+
+
+def smaller_of(group, groups, axis):
+    """The group of the same mode and settings that is the next size down along axis (AXES), or None; its learning
+    rate aside if that size has only one such group (each size at its own tuned rate)."""
+    cfg, keys = group['config'], AXES[axis]
+    below = lambda skip: [g for g in groups if g['config'][keys[0]] < cfg[keys[0]]
                           and all(g['config'].get(k) == v for k, v in cfg.items() if k not in skip)]
-    exact, tuned = below(('n_layer',)), below(('n_layer',) + TUNED)
+    exact, tuned = below(keys), below(keys + TUNED)
     if exact:
-        return max(exact, key=lambda g: g['config']['n_layer'])
-    deepest = max((g['config']['n_layer'] for g in tuned), default=None)
-    at = [g for g in tuned if g['config']['n_layer'] == deepest]
+        return max(exact, key=lambda g: g['config'][keys[0]])
+    largest = max((g['config'][keys[0]] for g in tuned), default=None)
+    at = [g for g in tuned if g['config'][keys[0]] == largest]
     return at[0] if len(at) == 1 else None
 
 
@@ -358,13 +362,15 @@ def paired_table(groups):
     return '\n\n'.join(tables) or None
 
 
-def depth_table(groups):
-    """Each group against the same mode and settings one depth shallower, seed by seed: does depth help?"""
+def scale_table(groups, axis):
+    """Each group against the same mode and settings one size smaller along axis (depth or width), seed by seed:
+    does the larger model do better?"""
     pairs = []
     for g in groups:
-        if (ref := shallower_of(g, groups)) and (d := seed_diffs(g, ref)):
+        if (ref := smaller_of(g, groups, axis)) and (d := seed_diffs(g, ref)):
             pairs.append((f"{g['label']} − {ref['config']['n_layer']}×{ref['config']['n_embd']}", d))
-    return markdown(['run − shallower', *PAIRED_HEAD], paired_rows(pairs, verdicts=False)) if pairs else None
+    head = 'run − shallower' if axis == 'depth' else 'run − narrower'
+    return markdown([head, *PAIRED_HEAD], paired_rows(pairs, verdicts=False)) if pairs else None
 
 
 def grid_table(groups):
@@ -417,7 +423,7 @@ def machine_lines(runs, groups):
     lines = ['Machines (from the logs): ' + '; '.join(f"{m or 'not recorded'}: {n} run{'s' * (n > 1)}" for m, n in count)
              + '.']
     for g in groups:
-        for ref in (baseline_of(g, groups), shallower_of(g, groups)):
+        for ref in (baseline_of(g, groups), *(smaller_of(g, groups, axis) for axis in AXES)):
             if ref is None or ref is g:
                 continue
             for seed, mine, theirs in cross_machine(g, ref):
@@ -523,9 +529,10 @@ def plot_max_weight(groups, path):
 
 def plot_paired(groups, path):
     """The paired difference against standard (mean over seeds, each seed a dot) as a function of depth or else of
-    training tokens, whichever the groups vary: one line per mode (and depth). False if neither varies."""
+    training tokens, whichever the groups vary: one line per mode (and width, or depth). False if neither varies."""
     tokens = lambda c: c['max_iters'] * c['batch_size'] * c['block_size'] * c['gradient_accumulation_steps']
-    axes = (('layers', lambda c: c['n_layer'], lambda c: ()),
+    widths = len({g['config']['n_embd'] for g in groups}) > 1      # then one line per mode and width
+    axes = (('layers', lambda c: c['n_layer'], lambda c: (f"width {c['n_embd']}",) * widths),
             ('training tokens', tokens, lambda c: (f"{c['n_layer']} layers",)))
     for label, x_of, more in axes:
         lines = {}
@@ -629,8 +636,8 @@ PAIRED_CAPTION = (
     "and batches); negative: the first is better. 95% interval and p: paired t over the seeds; the claims of one "
     "table are one family, their p Holm-corrected. Verdict: better or worse where the corrected p is below "
     f"{ALPHA}; otherwise inside the noise.")
-DEPTH_CAPTION = ("Δ: the final val loss minus that of the same mode and settings at the next smaller depth, with the "
-                 "same seed (the same batches); negative: the deeper model is better. Intervals and raw p, no verdict.")
+SCALE_CAPTION = ("Δ: the final val loss minus that of the same mode and settings at the next smaller {axis}, with the "
+                 "same seed (the same batches); negative: the {larger} model is better. Intervals and raw p, no verdict.")
 GRID_CAPTION = ("Final val loss at each peak learning rate (mean over the grid's seeds, their number in brackets where "
                 "more than one), the best in bold; '(edge)': the best is the grid's smallest or largest rate, so the "
                 "grid should be extended. The chosen rates: best_lr.txt (with --out).")
@@ -648,7 +655,10 @@ def tables(runs, groups, args):
         text += ['', '### Learning-rate grid', '', grid, '', GRID_CAPTION]
     else:
         for title, table, caption in (('Paired, seed by seed', paired_table(groups), PAIRED_CAPTION),
-                                      ('Deeper against shallower, seed by seed', depth_table(groups), DEPTH_CAPTION)):
+                                      ('Deeper against shallower, seed by seed', scale_table(groups, 'depth'),
+                                       SCALE_CAPTION.format(axis='depth', larger='deeper')),
+                                      ('Wider against narrower, seed by seed', scale_table(groups, 'width'),
+                                       SCALE_CAPTION.format(axis='width', larger='wider'))):
             if table:
                 text += ['', f'### {title}', '', table, '', caption]
     timed = [r['seconds'] for r in runs if r['seconds'] is not None]
@@ -668,9 +678,15 @@ def tables(runs, groups, args):
 
 
 def varying_settings(groups):
-    """The settings that tell groups apart, beyond the table's columns (mode, variant, shape)."""
+    """The settings that tell groups apart, beyond the table's columns (mode, variant, shape); the heads and the
+    SwiGLU width too where the shape column determines them (they change with the width)."""
+    values = lambda k, gs: {repr(g['config'].get(k)) for g in gs}
+    shapes = {(g['config']['n_layer'], g['config']['n_embd']) for g in groups}
+    by_shape = lambda k: all(len(values(k, [g for g in groups if (g['config']['n_layer'], g['config']['n_embd']) == sh])) == 1
+                             for sh in shapes)
     return sorted(k for k in set().union(*(g['config'] for g in groups))
-                  if k not in ('residual', 'variant', 'n_layer', 'n_embd') and len({repr(g['config'].get(k)) for g in groups}) > 1)
+                  if k not in ('residual', 'variant', 'n_layer', 'n_embd') and len(values(k, groups)) > 1
+                  and not (k in AXES['width'] and by_shape(k)))
 
 
 def commit_warnings(groups):

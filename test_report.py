@@ -355,3 +355,29 @@ def test_deeper_against_shallower_seed_by_seed(tmp_path, capsys):
     r = rows['standard 24×768 − 12×768']
     assert (r['seeds'], r['Δ val loss per seed'], r['95% interval']) == ('0, 1', '-0.0500 +0.0200', '—')
     assert rows['delta_block 24×768 − 4×768']['Δ val loss per seed'] == '-0.2000 +0.2000'
+
+
+def test_wider_against_narrower_seed_by_seed(tmp_path, capsys):
+    # standard and delta_block at width 768 (12 heads) and 1024 (16 heads, a wider SwiGLU, standard at its own tuned
+    # rate): each pairs with its own mode one width down; a 4-layer standard is a depth pair, not a width one
+    wide = dict(n_embd=1024, n_head=16, n_kv_head=16, intermediate_size=2816)
+    loss = {('standard', 'narrow'): {0: 2.00, 1: 2.10, 2: 1.90}, ('standard', 'wide'): {0: 1.90, 1: 1.95, 2: 1.85},
+            ('delta_block', 'narrow'): {0: 1.95, 1: 2.05, 2: 1.85}, ('delta_block', 'wide'): {0: 1.80, 1: 1.98, 2: 1.70}}
+    dirs = [fake_run(tmp_path / f'{m}_{w}_{s}', s, {0: 5.0, 100: v},
+                     dict(residual=m, **(wide if w == 'wide' else {}),
+                          **(dict(learning_rate=3e-4, min_lr=3e-5) if (m, w) == ('standard', 'wide') else {})))
+            for (m, w), by in loss.items() for s, v in by.items()]
+    dirs += [fake_run(tmp_path / f'standard4_{s}', s, {0: 5.0, 100: 2.2}, dict(n_layer=4)) for s in range(3)]
+    report.main(dirs + ['--routing=log'])
+    printed = capsys.readouterr().out
+    rows = {r['run − narrower']: r for r in parse(printed.split('### Wider against narrower, seed by seed')[1].strip())}
+    assert set(rows) == {'standard 12×1024 learning_rate=0.0003 min_lr=3e-05 − 12×768', 'delta_block 12×1024 learning_rate=0.0006 min_lr=6e-05 − 12×768'}
+    d = [1.80 - 1.95, 1.98 - 2.05, 1.70 - 1.85]
+    m, (lo, hi), p = paired_t(d)
+    r = rows['delta_block 12×1024 learning_rate=0.0006 min_lr=6e-05 − 12×768']
+    assert (r['Δ val loss per seed'], r['mean'], r['95% interval'], r['p']) == \
+        (' '.join(f"{x:+.4f}" for x in d), f"{m:+.4f}", f"[{lo:+.4f}, {hi:+.4f}]", f"{p:.3f}")
+    assert rows['standard 12×1024 learning_rate=0.0003 min_lr=3e-05 − 12×768']['Δ val loss per seed'] == \
+        '-0.1000 -0.1500 -0.0500'
+    depth = parse(printed.split('### Deeper against shallower, seed by seed')[1].strip())
+    assert [r['run − shallower'].split(' − ')[1] for r in depth] == ['4×768']
