@@ -73,11 +73,12 @@ def official_routing(hf, path):
     return {'residual': residual, 'n_blocks': n_blocks, 'res_gate': False, 'variant': variant}
 
 
-def load_hf(path, identity_init=False, **overrides):
+def load_hf(path, identity_init=False, routing_init_std=0.0, **overrides):
     """Build a model of any residual mode from a LOCAL Hugging Face directory. Its tensors load by name.
     A plain Qwen3 checkpoint has no routing parameters: they keep their from-scratch init (zero queries:
     uniform routing), or with identity_init=True (additive modes) get zero gates, so the converted model
-    computes exactly what the checkpoint does. A directory written by save_hf, or by the official code,
+    computes exactly what the checkpoint does; routing_init_std > 0 draws the new queries from N(0, std^2) instead,
+    as the authors' code does when it converts. A directory written by save_hf, or by the official code,
     also holds the routing parameters and its mode, and loads as it was saved."""
     from safetensors import safe_open
     path = Path(path)
@@ -166,6 +167,11 @@ def load_hf(path, identity_init=False, **overrides):
             for k in own:
                 if k.endswith('_res_gate'):
                     own[k].zero_()
+    if routing_init_std > 0:
+        if routed_dir:
+            raise InvalidValue(f"{path} holds a trained {stored['residual']!r} model: routing_init_std would overwrite "
+                               f"its routing queries; it only applies when converting a plain Qwen3 checkpoint")
+        model.init_queries(routing_init_std)
     return model
 
 

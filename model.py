@@ -374,15 +374,21 @@ class GPT(nn.Module):
         self.register_buffer('rope_cos', cos, persistent=False)
         self.register_buffer('rope_sin', sin, persistent=False)
         self.apply(self._init_weights)
+        self.init_queries(0.0)
 
     def _init_weights(self, module):
-        # Qwen3 from scratch: N(0, 0.02) for Linear and Embedding, norm weights 1 (nn.RMSNorm's
-        # default); routing queries 0, so that every site starts as a uniform average of its sources.
+        # Qwen3 from scratch: N(0, 0.02) for Linear and Embedding, norm weights 1 (nn.RMSNorm's default)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        for name, child in module.named_children():
-            if name.endswith('_res_proj'):
-                nn.init.zeros_(child.weight)
+
+    @torch.no_grad()
+    def init_queries(self, std):
+        """Every pseudo-query w drawn from N(0, std^2). std=0, the papers' init: zero queries, so every site starts as a
+        uniform average of its sources. The authors' code leaves them at Hugging Face's normal init, std 0.02; in a
+        replacement mode that is no longer a rescaled h (results/README.md: the converted AttnRes's loss jump)."""
+        for name, p in self.named_parameters():
+            if name.endswith('_res_proj.weight'):
+                p.normal_(0.0, std) if std > 0 else p.zero_()
 
     def get_num_params(self, non_embedding=False):
         """Parameter count, tied weights once; non_embedding=True leaves out the embedding table."""

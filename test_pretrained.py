@@ -119,6 +119,29 @@ def test_replacement_modes_convert_inexactly(trained_dir, mode):
     assert base_loss < 2.0 and diff > 1e-4
 
 
+def test_converting_with_the_authors_random_queries(trained_dir, tmp_path):
+    # The authors' code converts with its new queries at Hugging Face's normal init, not zero. Then a replacement
+    # mode's input is a non-uniform mix of the sources, no longer h/N: its loss moves far more than with zero
+    # queries; an additive mode with identity_init stays exact (its gates are 0).
+    x, y = pattern_batch(64, seed=1000)
+    with torch.no_grad():
+        _, base = load_hf(trained_dir)(x, y)
+        _, uniform = load_hf(trained_dir, residual='attnres', n_blocks=2)(x, y)
+        torch.manual_seed(0)
+        model = load_hf(trained_dir, residual='attnres', n_blocks=2, routing_init_std=0.5)
+        _, drawn = model(x, y)
+        queries = torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith('_res_proj.weight')])
+        assert queries.abs().min() > 0 and 0.4 < queries.std().item() < 0.6
+        assert abs(drawn - base) > 10 * abs(uniform - base)
+        _, gated = load_hf(trained_dir, residual='delta_block', identity_init=True, routing_init_std=0.5)(x, y)
+        assert abs(gated.item() - base.item()) <= 1e-5
+    print(f"\npretrained {base.item():.4f}; attnres, zero queries {uniform.item():.4f}, N(0, 0.5^2) queries "
+          f"{drawn.item():.4f}")
+    save_hf(model, tmp_path)     # a directory that holds trained routing: its queries are not redrawn
+    with pytest.raises(ValueError, match='would overwrite its routing queries'):
+        load_hf(tmp_path, routing_init_std=0.02)
+
+
 def test_identity_holds_on_a_trained_checkpoint(trained_dir):
     x, y = pattern_batch(64, seed=1000)
     with torch.no_grad():

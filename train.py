@@ -79,7 +79,8 @@ tie_embeddings = True
 residual = 'standard'       # one of model.RESIDUAL_MODES
 n_blocks = 4
 variant = 'paper'           # 'paper': the papers' definitions; 'official': the authors' code as run (see model.py)
-routing_init_std = 0.0      # routing queries at init: 0 = uniform routing (the papers); the authors' code: 0.02
+routing_init_std = 0.0      # routing queries at init (from scratch, or a Qwen3 checkpoint's new ones when converting):
+                            # 0 = uniform routing (the papers); the authors' code: 0.02
 res_gate = False            # additive modes: x = h + gate * routed; with a Qwen3 init_from the gates start at 0,
                             # so the converted model is exactly the pretrained one (see checkpoints.load_hf)
 # AdamW
@@ -222,8 +223,8 @@ else:
     # The config must spell out the checkpoint's shapes (config/_finetune_qwen3_0.6b.py does), so that the run's
     # model_config describes the model and --init_from=resume rebuilds it from the config alone.
     # The RoPE tables only need the training block_size, not the checkpoint's 40,960 positions.
-    model = load_hf(init_from, identity_init=res_gate, residual=residual, n_blocks=n_blocks, variant=variant,
-                    block_size=block_size)
+    model = load_hf(init_from, identity_init=res_gate, routing_init_std=routing_init_std, residual=residual,
+                    n_blocks=n_blocks, variant=variant, block_size=block_size)
     if diff := differences(asdict(model.config), asdict(model_config)):
         raise InvalidValue(f"init_from={init_from} holds another model than this config describes; set these "
                          f"(checkpoint, config): {diff}")
@@ -232,10 +233,7 @@ else:
         print(f"fine-tuning {init_from} as {residual}" + (" (zero gates: exactly the pretrained model at step 0)"
                                                            if res_gate else ""))
 if init_from == 'scratch' and routing_init_std > 0:
-    with torch.no_grad():   # as the authors' code leaves them: Hugging Face's normal init, not zero
-        for name, p in model.named_parameters():
-            if name.endswith('_res_proj.weight'):
-                p.normal_(0.0, routing_init_std)
+    model.init_queries(routing_init_std)    # as the authors' code leaves them: Hugging Face's normal init, not zero
 if param_dtype == 'bfloat16':
     # parameters only: the RoPE tables stay fp32. The optimizer then updates BF16 weights directly, so
     # updates smaller than a weight's rounding step (2^-8 relative) are lost: the authors' recipe, not ours.
