@@ -3,7 +3,7 @@
 # 4.1M training tokens. The mode, seed, depth, width, learning rate and out_dir come from the command line
 # (results/study_v2.sh runs them all); a seed fixes the initial weights AND the data order, so every mode of one
 # seed sees exactly the same batches. Each mode's peak learning rate comes from a grid on seeds the verdicts do not
-# use (results/study_v2/lr_grid); min_lr is a tenth of it.
+# use (results/study_v2/grid12, grid24, gridw: best_lr.txt); min_lr is a tenth of it.
 dataset = 'demo'
 device = 'cpu'
 dtype = 'float32'

@@ -9,6 +9,8 @@
 #   L24        the 2x2 and standard at 24 layers, seeds 0-4                                          25 runs
 #   gridw      width 128 (8 heads of 16, 4 KV heads, SwiGLU 384) at 12 layers: 12-layer lr and half  10 runs
 #   W128       the 2x2 and standard at width 128, seeds 0-4                                          25 runs
+#   convert    L12's standard model of seed 0 fine-tuned 120 steps as itself and converted: attnres and
+#              full_attnres with zero and with random queries, delta_block (gate or not), seeds 10-12  24 runs
 # A 12-layer grid whose best lr is at an edge is extended by the next factor of 2: EXTEND_12="standard:0.75e-3
 # attnres:1.2e-2" adds those runs.
 # bash results/study_v2.sh [PART ...]; JOBS runs at a time, one thread each (results/study_runs.sh). A finished run
@@ -67,6 +69,25 @@ halves() {   # part settings...: every mode at its 12-layer lr and half of it, g
     done | run_all
 }
 
+convert() {   # the 12-layer standard model of seed 0, exported, fine-tuned as itself and converted (3 seeds each)
+    if [ ! -f $OUT/convert/pretrained/config.json ]; then
+        [ -f $OUT/v2_L12/standard_s0/ckpt/state.json ] ||   # its folder is gone: trained again (bit-equal on one CPU type)
+            run $OUT/v2_L12/standard_s0 standard "$(best_lr 12 standard)" --seed=0 | RERUN_SAVED=1 run_all
+        python export.py $OUT/v2_L12/standard_s0/ckpt $OUT/convert/pretrained
+    fi
+    local c=config/study_v2_convert.py std=0.08   # 0.08 x sqrt(64) = 0.02 x sqrt(1024): Qwen3-0.6B's query logit scale
+    for seed in 10 11 12; do
+        echo "$OUT/v2_convert/standard_s$seed $c --residual=standard --seed=$seed"
+        for mode in attnres full_attnres; do
+            echo "$OUT/v2_convert/${mode}_s$seed $c --residual=$mode --seed=$seed"
+            echo "$OUT/v2_convert/${mode}_std${std}_s$seed $c --residual=$mode --routing_init_std=$std --seed=$seed"
+        done
+        echo "$OUT/v2_convert/attnres_std0.02_s$seed $c --residual=attnres --routing_init_std=0.02 --seed=$seed"
+        echo "$OUT/v2_convert/delta_block_std${std}_s$seed $c --residual=delta_block --routing_init_std=$std --seed=$seed"
+        echo "$OUT/v2_convert/delta_block_gate_std${std}_s$seed $c --residual=delta_block --res_gate=True --routing_init_std=$std --seed=$seed"
+    done | run_all
+}
+
 WIDE="--n_embd=128 --n_head=8 --n_kv_head=4 --intermediate_size=384"
 L12() { verdict L12 12; }
 L4() { for seed in $SEEDS; do run $OUT/v2_L4/standard_s$seed standard "$(best_lr 12 standard)" --seed=$seed --n_layer=4; done | run_all; }
@@ -76,4 +97,4 @@ gridw() { halves gridw $WIDE; }
 W128() { verdict W128 w $WIDE; }
 
 mkdir -p $OUT results/runs
-run_parts "v2 " "grid12 L12 L4 grid24 L24 gridw W128" "$@"
+run_parts "v2 " "grid12 L12 L4 convert grid24 L24 gridw W128" "$@"
