@@ -47,16 +47,20 @@ grid12() {
     } | run_all
 }
 
-verdict() {   # part grid settings...: the 2x2 and standard, seeds 0-4, each at its lr of the grid
-    local part=$1 grid=$2; shift 2
-    for seed in $SEEDS; do
+verdict() {   # part grid settings...: the 2x2 and standard, seeds 0-4, each at its lr of the grid; mode by mode
+    local part=$1 grid=$2; shift 2   # (all seeds of one mode, then the next), so a sitting's end leaves whole modes
+    {
         for mode in $MODES; do
-            run $OUT/v2_$part/${mode}_s$seed $mode "$(best_lr $grid $mode)" --seed=$seed "$@"
+            for seed in $SEEDS; do
+                run $OUT/v2_$part/${mode}_s$seed $mode "$(best_lr $grid $mode)" --seed=$seed "$@"
+            done
         done
         if [ "$part" = L12 ]; then
-            run $OUT/v2_$part/delta_block_official_s$seed delta_block "$(best_lr $grid delta_block)" --variant=official --seed=$seed
+            for seed in $SEEDS; do
+                run $OUT/v2_$part/delta_block_official_s$seed delta_block "$(best_lr $grid delta_block)" --variant=official --seed=$seed
+            done
         fi
-    done | run_all
+    } | run_all
 }
 
 halves() {   # part settings...: every mode at its 12-layer lr and half of it, grid seed
