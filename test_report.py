@@ -381,3 +381,19 @@ def test_wider_against_narrower_seed_by_seed(tmp_path, capsys):
         '-0.1000 -0.1500 -0.0500'
     depth = parse(printed.split('### Deeper against shallower, seed by seed')[1].strip())
     assert [r['run − shallower'].split(' − ')[1] for r in depth] == ['4×768']
+
+
+def test_every_committed_table_regenerates(tmp_path, monkeypatch):
+    # results/**/table.md: each one's first line is the report.py command that wrote it from committed runs; run
+    # again, it must write the same tables (the header line aside: it holds the machine and the time)
+    import re
+    import shlex
+    monkeypatch.chdir(Path(__file__).parent)     # the commands name the runs relative to the repository
+    tables = sorted(Path('results').glob('**/table.md'))
+    assert tables
+    for i, table in enumerate(tables):
+        head, body = table.read_text().split('\n', 1)
+        argv = shlex.split(re.search(r'^Made by `python report\.py (.*?)` on ', head).group(1))
+        out = tmp_path / str(i)
+        report.main([a for a in argv if not a.startswith('--out') and a != '--no-figures'] + [f'--out={out}', '--no-figures'])
+        assert (out / 'table.md').read_text().split('\n', 1)[1] == body, table
