@@ -534,10 +534,18 @@ def test_paper_configs(monkeypatch):
 
 
 def test_study_configs(monkeypatch):
-    # results/cpu_study.sh runs these: they must parse, and the conversion must fine-tune the study's own shape
+    # results/cpu_study.sh (v1) and study_v2.sh run these: they must parse, and each conversion must fine-tune its
+    # study's own shape
     study = configure(monkeypatch, 'config/study_cpu.py')
     convert = configure(monkeypatch, 'config/study_cpu_convert.py')
     shape = ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'head_dim', 'intermediate_size', 'block_size', 'dataset')
     assert [study[k] for k in shape] == [convert[k] for k in shape] == [12, 64, 4, 2, 16, 192, 64, 'demo']
     assert convert['init_from'] == 'out/study/convert/pretrained' and convert['seed'] != study['seed']
     assert study['max_iters'] == study['lr_decay_iters'] and convert['max_iters'] == convert['lr_decay_iters']
+    # study v2 (results/study_v2.sh): 256-byte sequences, 4 per step; its conversion fine-tunes that shape, eagerly
+    v2 = configure(monkeypatch, 'config/study_v2.py')
+    v2_convert = configure(monkeypatch, 'config/study_v2_convert.py')
+    assert [v2[k] for k in shape] == [v2_convert[k] for k in shape] == [12, 64, 4, 2, 16, 192, 256, 'demo']
+    assert v2['batch_size'] * v2['block_size'] == study['batch_size'] * study['block_size'] == 1024
+    assert v2['compile'] and v2['final_eval'] and not v2_convert['compile']
+    assert v2_convert['init_from'] == 'out/study_v2/convert/pretrained' and v2_convert['max_iters'] == 120

@@ -1,7 +1,7 @@
-# The CPU study (results/README.md): every residual mode on the offline demo corpus (python prepare_fineweb.py
-# --demo), at a token budget where depth helps: 4000 steps x 16 x 64 = 4.1M training tokens, the smallest budget
-# tried at which 'standard' improves from 4 to 12 to 24 layers, seed by seed over 3 seeds (results/study_budget_4m;
-# at 2.05M it did not: results/study_2m/depth). About 10-15 minutes per 12-layer run on one CPU thread. The mode,
+# Study v1 (results/README.md; study v2, config/study_v2.py, replaced it): every residual mode on the offline demo
+# corpus (python prepare_fineweb.py --demo), 4000 steps x 16 x 64 = 4.1M training tokens, the smallest budget tried
+# at which 'standard' improved from 4 to 12 to 24 layers on each of 3 seeds (the budget search's tables are in git
+# history, commit 6240601). About 10-15 minutes per 12-layer run on one CPU thread. The mode,
 # seed, depth and out_dir come from the command line (results/cpu_study.sh runs them all); a given seed fixes the
 # initial weights AND the data order, so every mode sees exactly the same batches.
 dataset = 'demo'

@@ -1,4 +1,4 @@
-# Sourced by the CPU study's scripts (cpu_study.sh, budget_search.sh): the demo corpus, and run_all, which reads
+# Sourced by the CPU studies' scripts (study_v2.sh; study v1's cpu_study.sh): the demo corpus, and run_all, which reads
 # lines "OUT_DIR SETTINGS..." and runs each as one train.py run (JOBS at a time, one thread each), its console
 # output in OUT_DIR/train.txt. A finished run is saved as results/runs/<parent>/<run>.json (report.py --save_runs:
 # settings, log, measured routing, no weights), from which the committed tables are made, so the results outlive
