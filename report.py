@@ -193,9 +193,13 @@ def depth_sites(stats):
 
 
 def sharpness(stats):
-    """(mean max weight over depth_sites, the same over the deepest third of them)."""
-    mw = [stats[s]['max_weight'] for s in depth_sites(stats)]
-    return float(np.mean(mw)), float(np.mean(mw[-max(1, len(mw) // 3):]))
+    """(mean max weight over depth_sites, the same over the deepest third of them, and there the mean of 1/N: the
+    max weight of a uniform mix over each site's N sources, the floor that a routing with no preference sits on)."""
+    sites = depth_sites(stats)
+    mw = [stats[s]['max_weight'] for s in sites]
+    deep = slice(-max(1, len(mw) // 3), None)
+    return (float(np.mean(mw)), float(np.mean(mw[deep])),
+            float(np.mean([1 / len(stats[s]['weights']) for s in sites][deep])))
 
 
 def mean_stats(all_stats):
@@ -260,14 +264,16 @@ def main_table(groups, varying):
         s, cfg, ref = g['summary'], g['config'], baseline_of(g, groups)
         delta = ('—' if ref is g or ref is None else
                  f"{100 * (statistics.fmean(s['ppl']) / statistics.fmean(ref['summary']['ppl']) - 1):+.2f}")
-        sharp = ['—', '—'] if not s['sharp'] else [spread([x[i] for x in s['sharp']], 3) for i in (0, 1)]
+        sharp = ['—'] * 3 if not s['sharp'] else [spread([x[i] for x in s['sharp']], 3) for i in (0, 1)] + \
+            [f"{s['sharp'][0][2]:.3f}"]
         rows.append([cfg['residual'], cfg['variant'], f"{cfg['n_layer']}×{cfg['n_embd']}", str(len(g['runs'])),
                      '/'.join(map(str, s['steps'])), spread(s['loss'], 4), spread(s['ppl'], 2), delta,
                      '—' if s['tok_s'] is None else f"{s['tok_s']:,.0f}", '—' if s['mem'] is None else f"{s['mem']:.2f}",
                      *sharp, ', '.join(sorted(set().union(*(r['commits'] for r in g['runs']))))]
                     + ([settings(g, varying)] if varying else []))
     head = ['mode', 'variant', 'layers×width', 'seeds', 'steps', 'val loss', 'val ppl', 'Δ% ppl vs standard',
-            'tok/s', 'mem GiB', 'max weight', 'max weight, deep third', 'commit'] + (['settings'] if varying else [])
+            'tok/s', 'mem GiB', 'max weight', 'max weight, deep third', 'uniform 1/N, deep third', 'commit'] \
+        + (['settings'] if varying else [])
     return markdown(head, rows)
 
 
@@ -630,7 +636,8 @@ MAIN_CAPTION = (
     "against the standard run of the same shape and settings. tok/s: the mean of the logged throughput, the first log "
     "record (warm-up, compilation) left out; mem: the peak logged (GPU: max allocated; CPU: the process's max RSS). "
     "Max weight: the mean over tokens of the largest routing weight, averaged over the sublayer sites that have more "
-    "than one source, and over the deepest third of them; measured with {how}; mean ± std over seeds.")
+    "than one source, and over the deepest third of them; measured with {how}; mean ± std over seeds. Uniform 1/N: "
+    "what a uniform mix would give there (the mean over the deepest third of 1/N, N a site's sources).")
 PAIRED_CAPTION = (
     "Δ: the final val loss of the claim's first run minus its second's with the same seed (the same initial weights "
     "and batches); negative: the first is better. 95% interval and p: paired t over the seeds; the claims of one "

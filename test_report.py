@@ -88,6 +88,8 @@ def test_table_equals_the_logs_and_plots_are_written(runs, corpus, tmp_path, cap
         deep.append(np.mean(mw[-1:]))                 # the deepest third of 5 sites: the last one
     assert rows['delta_block']['max weight'] == spread(overall, 3)
     assert rows['delta_block']['max weight, deep third'] == spread(deep, 3)
+    # its floor: 3 layers in 2 blocks of 2, so the last site (layers.2.mlp) mixes E, block 0 and the open block 1
+    assert rows['delta_block']['uniform 1/N, deep third'] == f"{1 / 3:.3f}"
     assert 'on 3 val batches' in printed
 
     # table.md: a header line with the command, machine and date, then what was printed
