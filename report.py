@@ -21,6 +21,7 @@ only with --out):
                    each sublayer, by depth, one curve per routed group (mean over seeds)
   paired.png       where the groups vary in depth (or else in training length): each mode's final val loss
                    minus standard's of the same seed, against layers (or training tokens)
+  claims.png       the paired table as a figure: each claim's seeds, mean and 95% interval, one panel per family
   heatmap_*.png    per routed group: the mean weight of each source (E, then sublayer outputs or
                    blocks) at each routing site (mean over seeds)
 """
@@ -353,10 +354,10 @@ def paired_rows(pairs, verdicts=True):
 PAIRED_HEAD = ['seeds', 'Δ val loss per seed', 'mean', '95% interval', 'p']
 
 
-def paired_table(groups):
-    """Each mode against the standard group of the same settings, and the 2x2 contrasts, seed by seed; the claims
-    against one standard group are one family (Holm)."""
-    tables = []
+def families(groups):
+    """[(standard group, [(claim, {seed: difference})])]: each mode against the standard group of the same settings,
+    and the 2x2 contrasts; the claims against one standard group are one family (Holm)."""
+    out = []
     for ref in [g for g in groups if g['config']['residual'] == 'standard']:
         mine = [g for g in groups if g is not ref and baseline_of(g, groups) is ref]
         pairs = [(g['label'], d) for g in mine if (d := seed_diffs(g, ref))]
@@ -364,7 +365,13 @@ def paired_table(groups):
         pairs += [(f"{a} − {b} ({what})", d) for a, b, what in CONTRASTS
                   if a in paper and b in paper and (d := seed_diffs(paper[a], paper[b]))]
         if pairs:
-            tables.append(markdown(['claim', *PAIRED_HEAD, 'p, Holm', 'verdict'], paired_rows(pairs)))
+            out.append((ref, pairs))
+    return out
+
+
+def paired_table(groups):
+    """The families' claims, seed by seed, one table per family."""
+    tables = [markdown(['claim', *PAIRED_HEAD, 'p, Holm', 'verdict'], paired_rows(pairs)) for _, pairs in families(groups)]
     return '\n\n'.join(tables) or None
 
 
@@ -586,6 +593,38 @@ def plot_paired(groups, path):
     return False
 
 
+def plot_claims(groups, path):
+    """The paired table as a figure, one panel per family: each claim's per-seed differences (dots), their mean and
+    95% paired-t interval (bar), red where the verdict is better or worse. False if no claim has 3 seeds."""
+    fams = [(ref, pairs, paired_rows(pairs)) for ref, pairs in families(groups)]
+    fams = [f for f in fams if any(len(d) > 2 for _, d in f[1])]
+    if not fams:
+        return False
+    plt = pyplot()
+    fig, axes = plt.subplots(len(fams), 1, figsize=(8, 0.45 * sum(len(p) for _, p, _ in fams) + 1.4 * len(fams)),
+                             squeeze=False, sharex=True)
+    for ax, (ref, pairs, rows) in zip(axes[:, 0], fams):
+        for y, ((label, diffs), row) in enumerate(zip(pairs, rows)):
+            d = [diffs[s] for s in sorted(diffs)]
+            color = 'C3' if row[-1] in ('better', 'worse') else 'C0'
+            ax.scatter(d, [y] * len(d), color=color, s=12, alpha=0.6)
+            if len(d) > 2:
+                ci = scipy.stats.ttest_1samp(d, 0.0).confidence_interval(1 - ALPHA)
+                ax.hlines(y, ci.low, ci.high, color=color, lw=2.5)
+            ax.plot([np.mean(d)], [y], marker='|', color='k', ms=12)
+        ax.axvline(0, color='k', lw=0.8)
+        ax.set_yticks(range(len(pairs)), [label for label, _ in pairs], fontsize=7)
+        ax.invert_yaxis()
+        ax.grid(axis='x', alpha=0.3)
+        ax.set_xlabel('final val loss difference, same seed (below 0: the first is better)', fontsize=8)
+        ax.set_title(f"Against {ref['label']} ({shape_and_budget([ref])}, {seeds(ref)})\nseeds: dots; mean: |; "
+                     f"bar: 95% paired-t interval; red: better or worse after Holm", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_heatmap(title, stats, path):
     plt = pyplot()
     sites = list(stats)
@@ -735,6 +774,8 @@ def write_out(out, text, groups, pretrained, best, argv, figures):
         plot_val_loss(groups, out / 'val_loss.png', pretrained)
         if plot_paired(groups, out / 'paired.png'):
             written.append('paired.png')
+        if plot_claims(groups, out / 'claims.png'):
+            written.append('claims.png')
         if any(g['summary']['stats'] for g in groups):
             written.append('max_weight.png')
             plot_max_weight(groups, out / written[-1])

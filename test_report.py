@@ -299,6 +299,7 @@ def test_paired_differences_against_standard_seed_by_seed(tmp_path, capsys):
     assert rows['delta_block 4×768']['verdict'] == 'fewer than 3 seeds'
     if plots:
         assert is_png(tmp_path / 'fig' / 'paired.png')
+        assert is_png(tmp_path / 'fig' / 'claims.png')      # the 12-layer family has claims of 3 seeds
 
 
 def test_each_mode_at_its_own_learning_rate_and_the_grid(tmp_path, capsys):
