@@ -58,7 +58,10 @@ def provenance(world_size, device):
         except (OSError, subprocess.SubprocessError):
             return None     # not a git checkout (e.g. an exported copy) or no git
     commit = git('rev-parse', 'HEAD')
-    return dict(commit=commit, dirty=bool(git('status', '--porcelain', '--untracked-files=no')) if commit else None,
+    # dirty: the tracked files that differ from the commit, results/ aside (the study scripts append their records
+    # there while they run; no run reads code from it). An empty list: the code of the commit.
+    changed = git('diff', '--name-only', 'HEAD', '--', '.', ':(exclude)results') if commit else None
+    return dict(commit=commit, dirty=None if changed is None else changed.split(),
                 torch=torch.__version__, cuda=torch.version.cuda,
                 device=torch.cuda.get_device_name(device) if device.startswith('cuda') else platform.processor() or 'cpu',
                 cpu=cpu_name(), world_size=world_size, host=platform.node(), argv=sys.argv,

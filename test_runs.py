@@ -126,6 +126,9 @@ def test_provenance_in_the_log_and_the_checkpoint(corpus, tmp_path):
     first = records[0]
     commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert first['step'] == 0 and first['provenance']['commit'] == commit
+    # dirty: the changed tracked files, results/ aside (the study scripts append to it while their runs train)
+    changed = subprocess.run(['git', 'diff', '--name-only', 'HEAD'], cwd=REPO, capture_output=True, text=True).stdout
+    assert first['provenance']['dirty'] == [f for f in changed.split() if not f.startswith('results/')]
     import torch
     assert first['provenance']['torch'] == torch.__version__ and first['provenance']['world_size'] == 1
     assert first['provenance']['cpu'].endswith(', ' + torch.backends.cpu.get_cpu_capability())
