@@ -423,9 +423,12 @@ def conversion_table(groups, baseline, pct):
         curve = {t: statistics.fmean(r['val'][t] for r in g['runs']) for t in steps}
         back = '—' if ref is None else next((str(t) for t in steps if curve[t] <= ref * (1 + pct / 100)),
                                              f"not by {steps[-1]}")
+        per_seed = ' '.join(f"{r['val'][0]:.4f}" for r in sorted(g['runs'], key=lambda r: r['config']['seed'])) \
+            if 0 in curve else '—'
         rows.append([g['label'], g['config']['residual'], str(g['config']['res_gate']), str(len(g['runs'])),
-                     '—' if 0 not in curve else f"{curve[0]:.6f}", f"{curve[steps[-1]]:.6f} (step {steps[-1]})", back])
-    head = ['run', 'mode', 'res_gate', 'seeds', 'val loss at step 0', 'final val loss',
+                     '—' if 0 not in curve else f"{curve[0]:.6f}", per_seed, f"{curve[steps[-1]]:.6f} (step {steps[-1]})",
+                     back])
+    head = ['run', 'mode', 'res_gate', 'seeds', 'val loss at step 0', 'step 0, per seed', 'final val loss',
             f'back within {pct:g}% of the pretrained loss at step']
     return markdown(head, rows), pretrained
 

@@ -183,6 +183,8 @@ def test_grouping_and_conversion_table(tmp_path, capsys):
     assert len(table) == 4
     base = '4×768 init_from=qwen3 learning_rate=0.0006'   # labels: the shape too, as shapes differ
     assert table[f'delta_block {base} res_gate=True']['val loss at step 0'] == '3.000000'
+    assert table[f'standard {base}']['step 0, per seed'] == '3.0000 3.0000' and \
+        table[f'attnres {base}']['step 0, per seed'] == '4.0000'
     # recovery: the first step within 1% of the pretrained loss (3.0: the standard fine-tune at step 0)
     col = 'back within 1% of the pretrained loss at step'
     assert table[f'standard {base}'][col] == '0'
