@@ -221,9 +221,10 @@ def spread(values, digits):
 
 
 def settings(group, varying):
-    """'key=value ...' of the varying settings that apply to this group's mode (paths by their last part)."""
+    """'key=value ...' of the varying settings that apply to this group's mode (paths by their last part, floats to 6
+    significant digits: a rate computed as lr / 10 reads 0.0003, not 0.00030000000000000003)."""
     cfg = group['config']
-    short = lambda v: Path(v).name if isinstance(v, str) and os.sep in v else v
+    short = lambda v: Path(v).name if isinstance(v, str) and os.sep in v else f"{v:.6g}" if isinstance(v, float) else v
     return ' '.join(f"{k}={short(cfg.get(k))}" for k in varying if applies(k, cfg['residual']))
 
 
