@@ -7,8 +7,9 @@
 #   L4         standard at 4 layers, seeds 0-4 (does depth help standard at this shape?)             5 runs
 #   grid24     every mode at 24 layers at its 12-layer lr and half of it, grid seed 100             10 runs
 #   L24        the 2x2 and standard at 24 layers, seeds 0-4                                          25 runs
-#   gridw      width 128 (8 heads of 16, 4 KV heads, SwiGLU 384) at 12 layers: 12-layer lr and half  10 runs
-#   W128       the 2x2 and standard at width 128, seeds 0-4                                          25 runs
+#   gridw      width 96 (6 heads of 16, 3 KV heads, SwiGLU 288) at 12 layers: 12-layer lr and half   10 runs
+#   W96        the 2x2 and standard at width 96, seeds 0-4                                           25 runs
+#              (the design's width 128, capped to 96 by its compute rule: results/README.md, "Compute")
 #   convert    L12's standard model of seed 0 fine-tuned 120 steps as itself and converted: attnres and
 #              full_attnres with zero and with random queries, delta_block (gate or not), seeds 10-12  24 runs
 # A 12-layer grid whose best lr is at an edge is extended by the next factor of 2: EXTEND_12="standard:0.75e-3
@@ -92,13 +93,13 @@ convert() {   # the 12-layer standard model of seed 0, exported, fine-tuned as i
     done | run_all
 }
 
-WIDE="--n_embd=128 --n_head=8 --n_kv_head=4 --intermediate_size=384"
+WIDE="--n_embd=96 --n_head=6 --n_kv_head=3 --intermediate_size=288"
 L12() { verdict L12 12; }
 L4() { for seed in $SEEDS; do run $OUT/v2_L4/standard_s$seed standard "$(best_lr 12 standard)" --seed=$seed --n_layer=4; done | run_all; }
 grid24() { halves grid24 --n_layer=24; }
 L24() { verdict L24 24 --n_layer=24; }
 gridw() { halves gridw $WIDE; }
-W128() { verdict W128 w $WIDE; }
+W96() { verdict W96 w $WIDE; }
 
 mkdir -p $OUT results/runs
-run_parts "v2 " "grid12 L12 L4 convert grid24 L24 gridw W128" "$@"
+run_parts "v2 " "grid12 L12 L4 convert grid24 L24 gridw W96" "$@"
