@@ -202,7 +202,13 @@ def _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_toke
                     write('train', shard_index, shard)
                     shard_fill, shard_index = 0, shard_index + 1
             if max_tokens is not None and n_val + n_train >= max_tokens:
-                break  # leaving the with-block terminates the pool: nothing more is read
+                break  # nothing more is read from `documents`
+        # Let the workers finish the chunk already sent (at most 256 documents) and exit, before the with-block
+        # calls terminate(): terminating a pool whose task thread is still sending can deadlock (CPython's
+        # _help_stuff_finish may take the queue's read lock while the pipe is momentarily empty, and the task
+        # thread's next send then blocks forever; seen in the test suite under load).
+        pool.close()
+        pool.join()
     bar.close()
     if shard_fill:
         write('train', shard_index, shard[:shard_fill])

@@ -1,6 +1,8 @@
 """Tests of prepare_fineweb.py and data.py: offline, on small corpora the tests write themselves."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -84,6 +86,26 @@ def test_prepare_txt_max_tokens_and_demo(tmp_path):
     assert meta['train_tokens'] + meta['val_tokens'] == 30_000
     text = ''.join(split_docs(read_split(tmp_path / 'demo', 'val')))
     assert 'def ' in text or 'import ' in text
+
+
+def test_early_stop_does_not_hang_on_a_pool_still_sending(tmp_path):
+    """Stopping at --max_tokens while the pool's task thread is still sending a chunk of large documents.
+    CPython's Pool.terminate() can deadlock then: its _help_stuff_finish takes the queue's read lock and returns
+    if the pipe looks empty for an instant, and the task thread's next send blocks forever (seen in the suite
+    under load). Here that unlucky instant is forced, in a subprocess with a timeout: prepare() must finish."""
+    code = f"""if True:
+        import multiprocessing.pool, prepare_fineweb as prep
+        def unlucky(inqueue, task_handler, size):
+            inqueue._rlock.acquire()   # as when the drain finds the pipe empty at the instant it looks
+        multiprocessing.pool.Pool._help_stuff_finish = staticmethod(unlucky)
+        docs = ('x = %d\\n' % i + 'abcdefgh ' * 20_000 for i in range(600))   # 180 KB each
+        meta = prep.prepare(docs, {str(tmp_path / 'o')!r}, 'o', 'byte', max_tokens=500_000, val_tokens=200_000,
+                            shard_size=1 << 20, num_proc=2)
+        print('train', meta['train_tokens'])"""
+    r = subprocess.run([sys.executable, '-c', code], cwd=os.path.dirname(os.path.abspath(__file__)),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ['train', str(500_000 - json.loads((tmp_path / 'o' / 'meta.json').read_text())['val_tokens'])]
 
 
 def test_gpt2_unavailable_offline_names_the_offline_options(tmp_path, monkeypatch):
