@@ -1,5 +1,4 @@
 """Tests of train.py, configurator.py and config/: offline, on CPU, with a tiny model on a tiny corpus."""
-import glob
 import hashlib
 import json
 import math
@@ -292,21 +291,29 @@ def test_fsdp_compiled_with_res_gate_matches_one_process(corpus, tmp_path, backe
         torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize('backend', ['aot_eager', pytest.param('inductor', marks=SLOW)])
-def test_compiled_training_evaluation_and_resume_equal_eager(corpus, tmp_path, backend):
-    # What a GPU run does, compiled, in every mode: evaluation at step 0 (a forward without gradients), training
-    # steps with and without routing statistics, a checkpoint, a resume. aot_eager traces what inductor gets
-    # (dynamo's graph, AOTAutograd's forward and backward: where compiled-only failures live) in seconds;
-    # inductor itself (RUN_SLOW=1, and gpu_check.sh on a GPU) also generates and runs the kernels.
+# Every mode compiled: with inductor, which also generates and runs the kernels (a minute or two per mode on 2 CPU
+# cores), one sublayer mode and one block mode (both routing paths of fast_routing.py, replace and add mixing, the
+# paper's Delta Block); the others with aot_eager (RUN_SLOW=1: inductor for every mode)
+INDUCTOR_MODES = RESIDUAL_MODES if os.environ.get('RUN_SLOW') else ('full_attnres', 'delta_block')
+AOT_EAGER_MODES = tuple(m for m in RESIDUAL_MODES if m not in INDUCTOR_MODES)
+COMPILED = [('inductor', (m,)) for m in INDUCTOR_MODES] + ([('aot_eager', AOT_EAGER_MODES)] if AOT_EAGER_MODES else [])
+
+
+@pytest.mark.parametrize('backend,modes', COMPILED, ids=[f"{b}-{'+'.join(m)}" for b, m in COMPILED])
+def test_compiled_training_evaluation_and_resume_equal_eager(corpus, tmp_path, backend, modes):
+    # What a GPU run does, compiled: evaluation at step 0 (a forward without gradients), training steps with and
+    # without routing statistics, a checkpoint, a resume. aot_eager traces what inductor gets (dynamo's graph,
+    # AOTAutograd's forward and backward: where most compiled-only failures live) in seconds; gpu_check.sh runs
+    # inductor's CUDA kernels on a GPU.
     args = ['--max_iters=4', '--lr_decay_iters=4', '--eval_interval=2', '--log_interval=2']
     runs = []
-    for mode in RESIDUAL_MODES:
+    for mode in modes:
         runs += [(tmp_path / mode / 'eager', f'--residual={mode}', *args, '--compile=False'),
                  (tmp_path / mode / 'compiled', f'--residual={mode}', *args, '--compile=True', '--max_iters=2'),
                  (tmp_path / mode / 'compiled', f'--residual={mode}', *args, '--compile=True', '--init_from=resume')]
     p = train_in_one_process(corpus, runs, backend, timeout=1800)
-    assert p.stdout.count('resumed from') == len(RESIDUAL_MODES)
-    for mode in RESIDUAL_MODES:
+    assert p.stdout.count('resumed from') == len(modes)
+    for mode in modes:
         eager, compiled = records(tmp_path / mode / 'eager'), records(tmp_path / mode / 'compiled')
         assert sorted(val_losses(compiled)) == [0, 2, 4] and sorted(losses(compiled)) == [2, 4], mode
         for step, loss in val_losses(eager).items():
