@@ -11,7 +11,7 @@ import torch
 
 from tokenizer import get_tokenizer, save_hf_tokenizer
 from checkpoints import load_hf, save_hf
-from model import GPT, RESIDUAL_MODES
+from model import RESIDUAL_MODES
 from test_model import make_model, write_hf_qwen3
 from test_pretrained import randomize_gates
 from test_train import write_checkpoint
