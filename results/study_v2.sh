@@ -7,6 +7,8 @@
 #   L4         standard at 4 layers, seeds 0-4 (does depth help standard at this shape?)             5 runs
 #   grid24     every mode at 24 layers at its 12-layer lr and half of it, grid seed 100             10 runs
 #   L24        the 2x2 and standard at 24 layers, seeds 0-4                                          25 runs
+#   L12x       L12's standard, seeds 0-4, again on this machine's CPU type (amd or intel), where L24's
+#              standard ran on a type L12's did not: the depth claim pairs runs of one type             5 runs
 #   gridw      width 96 (6 heads of 16, 3 KV heads, SwiGLU 288) at 12 layers: 12-layer lr and half   10 runs
 #   W96        the 2x2 and standard at width 96, seeds 0-4                                           25 runs
 #              (the design's width 128, capped to 96 by its compute rule: results/README.md, "Compute")
@@ -48,11 +50,12 @@ grid12() {
     } | run_all
 }
 
-verdict() {   # part grid settings...: the 2x2 and standard, seeds 0-4, each at its lr of the grid; mode by mode
-    local part=$1 grid=$2; shift 2   # (all seeds of one mode, then the next), so a sitting's end leaves whole modes
-    {
-        for mode in $MODES; do
-            for seed in $SEEDS; do
+verdict() {   # part grid settings...: the 2x2 and standard, seeds 0-4, each at its lr of the grid; seed by seed (the
+    local part=$1 grid=$2; shift 2   # five modes of seed 0, then of seed 1...): each seed's paired block on one machine
+    best_lr $grid standard > /dev/null   # no grid table: stop here (inside $(...) below, exit would end only that)
+    {                                # (results/README.md, "Across sittings"; L12 ran mode by mode, on one machine)
+        for seed in $SEEDS; do
+            for mode in $MODES; do
                 run $OUT/v2_$part/${mode}_s$seed $mode "$(best_lr $grid $mode)" --seed=$seed "$@"
             done
         done
@@ -66,6 +69,7 @@ verdict() {   # part grid settings...: the 2x2 and standard, seeds 0-4, each at 
 
 halves() {   # part settings...: every mode at its 12-layer lr and half of it, grid seed
     local part=$1; shift
+    best_lr 12 standard > /dev/null
     for mode in $MODES; do
         local lr; lr=$(best_lr 12 $mode)
         for x in $lr $(python -c "print($lr / 2)"); do
@@ -95,6 +99,10 @@ convert() {   # the 12-layer standard model of seed 0, exported, fine-tuned as i
 
 WIDE="--n_embd=96 --n_head=6 --n_kv_head=3 --intermediate_size=288"
 L12() { verdict L12 12; }
+L12x() {   # L12's standard runs again on this CPU type, for the depth claim's pairs (results/README.md, "Across sittings")
+    local cpu; cpu=$(grep -m1 -o 'AMD\|Intel' /proc/cpuinfo | tr A-Z a-z)
+    for seed in $SEEDS; do run $OUT/v2_L12_$cpu/standard_s$seed standard "$(best_lr 12 standard)" --seed=$seed; done | run_all
+}
 L4() { for seed in $SEEDS; do run $OUT/v2_L4/standard_s$seed standard "$(best_lr 12 standard)" --seed=$seed --n_layer=4; done | run_all; }
 grid24() { halves grid24 --n_layer=24; }
 L24() { verdict L24 24 --n_layer=24; }
