@@ -14,8 +14,9 @@
 #              (the design's width 128, capped to 96 by its compute rule: results/README.md, "Compute")
 #   convert    L12's standard model of seed 0 fine-tuned 120 steps as itself and converted: attnres and
 #              full_attnres with zero and with random queries, delta_block (gate or not), seeds 10-12  24 runs
-# A 12-layer grid whose best lr is at an edge is extended by the next factor of 2: EXTEND_12="standard:0.75e-3
-# attnres:1.2e-2" adds those runs.
+# A grid whose best lr is at an edge (report.py --grid marks it) is extended by the next factor of 2, as many times as
+# that takes: EXTEND_12="standard:0.012 delta_block:0.012" (what grid12 needed), EXTEND_grid24="standard:0.012
+# full_attnres:0.00075", EXTEND_gridw="..." add those runs to their part.
 # bash results/study_v2.sh [PART ...]; JOBS runs at a time, one thread each (results/study_runs.sh). A finished run
 # is saved in results/runs/v2_<part>/ and skipped from then on, so the script can be stopped and started again.
 set -euo pipefail
@@ -67,15 +68,20 @@ verdict() {   # part grid settings...: the 2x2 and standard, seeds 0-4, each at 
     } | run_all
 }
 
-halves() {   # part settings...: every mode at its 12-layer lr and half of it, grid seed
-    local part=$1; shift
+halves() {   # part settings...: every mode at its 12-layer lr and half of it, grid seed, and EXTEND_<part>'s runs
+    local part=$1 extend=EXTEND_$1; shift
     best_lr 12 standard > /dev/null
-    for mode in $MODES; do
-        local lr; lr=$(best_lr 12 $mode)
-        for x in $lr $(python -c "print($lr / 2)"); do
-            run $OUT/v2_$part/${mode}_lr${x}_s$GRID_SEED $mode $x --seed=$GRID_SEED "$@"
+    {
+        for mode in $MODES; do
+            local lr; lr=$(best_lr 12 $mode)
+            for x in $lr $(python -c "print($lr / 2)"); do
+                run $OUT/v2_$part/${mode}_lr${x}_s$GRID_SEED $mode $x --seed=$GRID_SEED "$@"
+            done
         done
-    done | run_all
+        for extra in ${!extend:-}; do      # mode:lr, where a mode's best is at an edge of its grid
+            run $OUT/v2_$part/${extra%%:*}_lr${extra#*:}_s$GRID_SEED ${extra%%:*} ${extra#*:} --seed=$GRID_SEED "$@"
+        done
+    } | run_all
 }
 
 convert() {   # the 12-layer standard model of seed 0, exported, fine-tuned as itself and converted (3 seeds each)
