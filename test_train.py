@@ -303,7 +303,7 @@ COMPILED = [('inductor', (m,)) for m in INDUCTOR_MODES] + ([('aot_eager', AOT_EA
 def test_compiled_training_evaluation_and_resume_equal_eager(corpus, tmp_path, backend, modes):
     # What a GPU run does, compiled: evaluation at step 0 (a forward without gradients), training steps with and
     # without routing statistics, a checkpoint, a resume. aot_eager traces what inductor gets (dynamo's graph,
-    # AOTAutograd's forward and backward: where most compiled-only failures live) in seconds; gpu_check.sh runs
+    # AOTAutograd's forward and backward: where most compiled-only failures live) in seconds; gpu_check.py runs
     # inductor's CUDA kernels on a GPU.
     args = ['--max_iters=4', '--lr_decay_iters=4', '--eval_interval=2', '--log_interval=2']
     runs = []
