@@ -5,7 +5,7 @@
 #   grid12     the 2x2 and standard at 12 layers, lr 1.5e-3, 3e-3, 6e-3, grid seed 100                15 runs
 #   L12        the 2x2, standard and delta_block variant=official at 12 layers, seeds 0-4            30 runs
 #   L4         standard at 4 layers, seeds 0-4 (does depth help standard at this shape?)             5 runs
-#   grid24     every mode at 24 layers at its 12-layer lr and half of it, grid seed 100             10 runs
+#   grid24     every mode at 24 layers at its 12-layer lr and half of it, grid seed 100, and more   16 runs
 #   L24        the 2x2 and standard at 24 layers, seeds 0-4                                          25 runs
 #   L12x       L12's standard, seeds 0-4, again on this machine's CPU type (amd or intel), where L24's
 #              standard ran on a type L12's did not: the depth claim pairs runs of one type             5 runs
@@ -15,8 +15,9 @@
 #   convert    L12's standard model of seed 0 fine-tuned 120 steps as itself and converted: attnres and
 #              full_attnres with zero and with random queries, delta_block (gate or not), seeds 10-12  24 runs
 # A grid whose best lr is at an edge (report.py --grid marks it) is extended by the next factor of 2, as many times as
-# that takes: EXTEND_12="standard:0.012 delta_block:0.012" (what grid12 needed), EXTEND_grid24="standard:0.012
-# full_attnres:0.00075", EXTEND_gridw="..." add those runs to their part.
+# that takes: EXTEND_12="standard:0.012 delta_block:0.012" and EXTEND_grid24="standard:0.012 full_attnres:0.00075
+# attnres:0.00075 delta_attnres:0.006 delta_attnres:0.012 delta_block:0.0015" (what grid12 and grid24 needed),
+# EXTEND_gridw="..." add those runs to their part.
 # bash results/study_v2.sh [PART ...]; JOBS runs at a time, one thread each (results/study_runs.sh). A finished run
 # is saved in results/runs/v2_<part>/ and skipped from then on, so the script can be stopped and started again.
 set -euo pipefail
