@@ -435,7 +435,8 @@ def conversion_table(groups, baseline, pct):
 
 
 def machine_lines(runs, groups):
-    """Which machines made the runs, and a warning for each pair of the paired tables that crosses machines."""
+    """Which machines made the runs, and a warning for the pairs of the paired tables that cross machines: one per
+    comparison and pair of machines, naming its seeds (a whole part run on another CPU type gives one line, not five)."""
     count = Counter(m for r in runs for m in r['machines']).most_common()
     lines = ['Machines (from the logs): ' + '; '.join(f"{m or 'not recorded'}: {n} run{'s' * (n > 1)}" for m, n in count)
              + '.']
@@ -443,10 +444,15 @@ def machine_lines(runs, groups):
         for ref in (baseline_of(g, groups), *(smaller_of(g, groups, axis) for axis in AXES)):
             if ref is None or ref is g:
                 continue
+            crossing = {}     # (this run's machines, ref's) -> seeds
             for seed, mine, theirs in cross_machine(g, ref):
-                lines += ['', f"**Warning:** seed {seed} of {g['label']} ran on {', '.join(sorted(mine))} and its "
-                          f"pair in {ref['label']} on {', '.join(sorted(theirs))}: runs on different machines are "
-                          f"not bit-equal, so this difference is partly the machines'."]
+                crossing.setdefault((', '.join(sorted(mine)), ', '.join(sorted(theirs))), []).append(seed)
+            for (mine, theirs), seeds in crossing.items():
+                which = (f"seed {seeds[0]} of {g['label']} ran on {mine} and its pair" if len(seeds) == 1 else
+                         f"seeds {', '.join(map(str, seeds))} of {g['label']} ran on {mine} and their pairs")
+                lines += ['', f"**Warning:** {which} in {ref['label']} on {theirs}: runs on different machines are "
+                          f"not bit-equal, so {'this difference is' if len(seeds) == 1 else 'these differences are'} "
+                          "partly the machines'."]
     return lines
 
 

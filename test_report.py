@@ -224,19 +224,23 @@ def test_the_commit_of_each_group_and_a_warning_when_they_differ(tmp_path, capsy
     assert printed.count('**Warning:**') == 1
 
 
-def test_the_machines_and_a_warning_for_each_pair_across_machines(tmp_path, capsys):
+def test_the_machines_and_one_warning_per_comparison_and_pair_of_machines(tmp_path, capsys):
     # seed 0: attnres on another CPU than its standard; seed 1: all on one; a 4-layer standard of seed 1 on a third
     # CPU (the 12-layer one's shallower pair); a run from before the CPU was recorded pairs with anything
     runs = [('standard', 12, 0, 'A'), ('attnres', 12, 0, 'B'), ('standard', 12, 1, 'A'), ('attnres', 12, 1, 'A'),
-            ('standard', 4, 1, 'C'), ('attnres', 12, 2, None), ('standard', 12, 2, 'A')]
+            ('standard', 4, 1, 'C'), ('attnres', 12, 2, None), ('standard', 12, 2, 'A'),
+            ('attnres', 12, 3, 'B'), ('standard', 12, 3, 'A'), ('attnres', 12, 4, 'C'), ('standard', 12, 4, 'A')]
     dirs = [fake_run(tmp_path / f'{m}{L}_{s}', s, {0: 5.0, 100: 2.0}, dict(residual=m, n_layer=L), cpu=cpu)
             for m, L, s, cpu in runs]
     report.main(dirs + ['--routing=log'])
     printed = capsys.readouterr().out
-    assert 'Machines (from the logs): A: 4 runs; B: 1 run; C: 1 run; not recorded: 1 run.' in printed
-    assert printed.count('**Warning:**') == 2
-    assert ('**Warning:** seed 0 of attnres 12×768 ran on B and its pair in standard 12×768 on A: runs on different '
-            'machines are not bit-equal') in printed
+    # seeds 3 and 4: attnres on B and on C again, against standard on A: one warning per pair of machines, its seeds
+    assert 'Machines (from the logs): A: 6 runs; B: 2 runs; C: 2 runs; not recorded: 1 run.' in printed
+    assert printed.count('**Warning:**') == 3
+    assert ('**Warning:** seeds 0, 3 of attnres 12×768 ran on B and their pairs in standard 12×768 on A: runs on '
+            'different machines are not bit-equal, so these differences are partly the machines\'.') in printed
+    assert ('**Warning:** seed 4 of attnres 12×768 ran on C and its pair in standard 12×768 on A: runs on different '
+            'machines are not bit-equal, so this difference is partly the machines\'.') in printed
     assert '**Warning:** seed 1 of standard 12×768 ran on A and its pair in standard 4×768 on C' in printed
 
 
