@@ -15,17 +15,25 @@ train_one() {
     [ -f "results/runs/$(basename "$(dirname "$dir")")/$(basename "$dir").json" ] && [ "${RERUN_SAVED:-0}" = 0 ] && return 0
     mkdir -p "$dir"
     if [ ! -f "$dir/done" ]; then
-        # the run's wall time (one thread), summed over the invocations that ended: OUT_DIR/seconds
-        local start=$SECONDS status=0
+        # the run's wall time (one thread), summed over its invocations: OUT_DIR/seconds. OUT_DIR/started marks an
+        # invocation under way; one killed together with this shell (a sitting's end) is counted when the run goes
+        # on, up to its log's last write (at most a log interval short)
+        local status=0 last
+        if [ -f "$dir/started" ]; then
+            last=$(stat -c %Y "$dir/log.jsonl" 2>/dev/null || echo 0)
+            add_seconds "$dir" $(( last > $(cat "$dir/started") ? last - $(cat "$dir/started") : 0 ))
+        fi
+        date +%s > "$dir/started"
         local resume=(); [ -e "$dir/ckpt" ] && resume=(--init_from=resume)
         python train.py "$@" --out_dir="$dir" "${resume[@]}" >> "$dir/train.txt" 2>&1 || status=$?
-        echo $(( $(cat "$dir/seconds" 2>/dev/null || echo 0) + SECONDS - start )) > "$dir/seconds"
+        add_seconds "$dir" $(( $(date +%s) - $(cat "$dir/started") )) && rm "$dir/started"
         [ $status = 0 ] || return $status
         touch "$dir/done"
     fi
     python report.py "$dir" --save_runs=results/runs >> "$dir/train.txt" 2>&1
 }
-export -f train_one
+add_seconds() { echo $(( $(cat "$1/seconds" 2>/dev/null || echo 0) + $2 )) > "$1/seconds"; }
+export -f train_one add_seconds
 run_all() { xargs -P "$JOBS" -L 1 bash -c 'train_one "$@"' _; }
 
 # The named parts (functions of the calling script), in order, or the default ones; each part's wall time is
