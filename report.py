@@ -14,7 +14,7 @@ already measured): results/runs holds the CPU study's, so its tables can be rema
 `wandb_run_name`) are one group: a row of the table gives the mean +- the sample standard deviation over
 its seeds. Below it, seed by seed (a seed fixes the batches): each mode against `standard` of the same settings,
 and each depth (width) against the next smaller depth (width) of the same mode and settings; then which machines made the runs,
-with a warning for a seed paired across two (runs on different CPUs are not bit-equal). The figures (matplotlib, imported
+with a warning for the seeds paired across two (runs on different CPUs are not bit-equal). The figures (matplotlib, imported
 only with --out):
   val_loss.png     validation loss against step, one color per group (thin: each seed; thick: their mean)
   max_weight.png   the papers' sharpness figure: the mean over tokens of the largest routing weight at
