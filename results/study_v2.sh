@@ -9,6 +9,9 @@
 #   L24        the 2x2 and standard at 24 layers, seeds 0-4                                          25 runs
 #   L12x       L12's standard, seeds 0-4, again on this machine's CPU type (amd or intel), where L24's
 #              standard ran on a type L12's did not: the depth claim pairs runs of one type             5 runs
+#   L24lr      standard at 24 layers at 3e-3, its grid row's other rate, seeds 0-4: a check added after L24's
+#              verdict runs (not in the design, no verdict): does standard's rate, picked on one seed, make the
+#              24-layer leads?                                                                          5 runs
 #   gridw      width 96 (6 heads of 16, 3 KV heads, SwiGLU 288) at 12 layers: 12-layer lr and half   10 runs
 #   W96        the 2x2 and standard at width 96, seeds 0-4                                           25 runs
 #              (the design's width 128, capped to 96 by its compute rule: results/README.md, "Compute")
@@ -113,6 +116,7 @@ L12x() {   # L12's standard runs again on this CPU type, for the depth claim's p
 L4() { for seed in $SEEDS; do run $OUT/v2_L4/standard_s$seed standard "$(best_lr 12 standard)" --seed=$seed --n_layer=4; done | run_all; }
 grid24() { halves grid24 --n_layer=24; }
 L24() { verdict L24 24 --n_layer=24; }
+L24lr() { for seed in $SEEDS; do run $OUT/v2_L24_std3e-3/standard_s$seed standard 3e-3 --seed=$seed --n_layer=24; done | run_all; }
 gridw() { halves gridw $WIDE; }
 W96() { verdict W96 w $WIDE; }
 
