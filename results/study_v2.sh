@@ -14,9 +14,9 @@
 #              24-layer leads?                                                                          5 runs
 #   gridw      width 96 (6 heads of 16, 3 KV heads, SwiGLU 288) at 12 layers: 12-layer lr and half   10 runs
 #   W96        the 2x2 and standard at width 96, seeds 0-4                                           25 runs
-#              (the design's width 128, capped to 96 by its compute rule: results/README.md, "Compute")
-#   W96lr      standard at width 96 at 1.5e-3, its grid row's runner-up, seeds 0-4, each on the CPU type of its
-#              seed's W96 block: L24lr's check, stated before any W96 result (no verdict)                 5 runs
+#              (the design's width 128, capped to 96 by its compute rule: results/README.md, "Compute"),
+#              and in each seed's block L24lr's check, stated before any W96 result: standard at 1.5e-3,
+#              its grid row's runner-up (no verdict; saved in results/runs/v2_W96_std1.5e-3/)         5 runs
 #   convert    L12's standard model of seed 0 fine-tuned 120 steps as itself and converted: attnres and
 #              full_attnres with zero and with random queries, delta_block (gate or not), seeds 10-12  24 runs
 # A grid whose best lr is at an edge (report.py --grid marks it) is extended by the next factor of 2, as many times as
@@ -66,6 +66,9 @@ verdict() {   # part grid settings...: the 2x2 and standard, seeds 0-4, each at 
             for mode in $MODES; do
                 run $OUT/v2_$part/${mode}_s$seed $mode "$(best_lr $grid $mode)" --seed=$seed "$@"
             done
+            if [ "$part" = W96 ]; then   # the check of standard's width-96 rate (no verdict), in its seed's block
+                run $OUT/v2_W96_std1.5e-3/standard_s$seed standard 1.5e-3 --seed=$seed "$@"
+            fi
         done
         if [ "$part" = L12 ]; then
             for seed in $SEEDS; do
@@ -122,7 +125,6 @@ L24() { verdict L24 24 --n_layer=24; }
 L24lr() { for seed in $SEEDS; do run $OUT/v2_L24_std3e-3/standard_s$seed standard 3e-3 --seed=$seed --n_layer=24; done | run_all; }
 gridw() { halves gridw $WIDE; }
 W96() { verdict W96 w $WIDE; }
-W96lr() { for seed in $SEEDS; do run $OUT/v2_W96_std1.5e-3/standard_s$seed standard 1.5e-3 --seed=$seed $WIDE; done | run_all; }
 
 mkdir -p $OUT results/runs
 run_parts "v2 " "grid12 L12 L4 convert grid24 L24 gridw W96" "$@"
