@@ -24,8 +24,9 @@
 # attnres:0.00075 delta_attnres:0.006 delta_attnres:0.012 delta_block:0.0015" and EXTEND_gridw="standard:0.0015
 # full_attnres:0.006 attnres:0.00075 delta_attnres:0.00075 delta_block:0.0015" (what the three grids needed) add
 # those runs to their part.
-# [SEEDS=...] bash results/study_v2.sh [PART ...]; JOBS runs at a time, one thread each (results/study_runs.sh). A finished run
-# is saved in results/runs/v2_<part>/ and skipped from then on, so the script can be stopped and started again.
+# [SEEDS=...] bash results/study_v2.sh [PART ...]; JOBS runs at a time, one thread each (results/study_runs.sh). A
+# finished run is saved in results/runs/v2_<part>/ and skipped from then on, so the script can be stopped and started
+# again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=out/study_v2
