@@ -123,22 +123,28 @@ def test_model_fast_equals_naive(mode, n_blocks, device):
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('mode', ROUTED)
 def test_model_fast_equals_naive_bf16_autocast(mode, device):
-    # under BF16 autocast both paths differ from FP32 by rounding; the fast path (FP32 routing math)
-    # must be no further from the FP32 result than the plain route() is
-    model, idx = model_and_tokens(mode, device)
-    logits_x, grads_x = loss_and_grads(model, idx, fast=False)
-    logits_n, grads_n = loss_and_grads(model, idx, fast=False, dtype=torch.bfloat16)
-    logits_f, grads_f = loss_and_grads(model, idx, fast=True, dtype=torch.bfloat16)
-    assert logits_f.dtype == logits_n.dtype == torch.bfloat16
-
+    # under BF16 autocast both paths differ from FP32 by rounding; the fast path must be no further from the FP32
+    # result than the plain route() is. Tiny random-routing models amplify rounding chaotically, so one seed's
+    # comparison is a coin that the CPU's BF16 kernels flip (Full AttnRes, seed 0: summed gradient errors fast /
+    # route() 9.6 / 4.0 on an AMD EPYC with AVX2, within 2x on the Intel Xeons that ran this before); summed over six
+    # seeds they are 0.86, 0.75, 1.03, 1.00 of route()'s for full_attnres, attnres, delta_attnres, delta_block on
+    # that EPYC. A wrong gradient under autocast fails here (10% too much in the sources' gradient of the keys sums to
+    # 1.6-2.8x route()'s, no query gradient to 2.3-19x); the fast path's FP32 math inside is tested on one site,
+    # where nothing amplifies rounding (test_route_fast_matches_route_bf16)
     def err(a, b):
         return ((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-    # tiny random-routing models amplify rounding, so compare the error levels, not single entries (from 3 layers on, the
-    # replace modes' BF16 gradients scatter for either path: Full AttnRes at 3 layers, 4 seeds, summed errors fast /
-    # route(): 17.1 / 5.9, 2.5 / 1.8, 1.4 / 9.1, 1.4 / 2.0; Delta AttnRes's fast path stays at or under route()'s up to 6)
-    assert err(logits_f, logits_x) <= 0.1 and err(logits_n, logits_x) <= 0.1
-    ef, en = [err(grads_f[k], grads_x[k]) for k in grads_x], [err(grads_n[k], grads_x[k]) for k in grads_x]
-    assert max(ef) <= 0.5 and sum(ef) <= 2 * sum(en), (max(ef), sum(ef), sum(en))
+    err_fast = err_route = 0.0
+    for seed in range(6):
+        model = make_model(mode, seed=seed).to(device)
+        idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1 + seed)).to(device)
+        logits_x, grads_x = loss_and_grads(model, idx, fast=False)
+        logits_n, grads_n = loss_and_grads(model, idx, fast=False, dtype=torch.bfloat16)
+        logits_f, grads_f = loss_and_grads(model, idx, fast=True, dtype=torch.bfloat16)
+        assert logits_f.dtype == logits_n.dtype == torch.bfloat16
+        assert err(logits_f, logits_x) <= 0.1 and err(logits_n, logits_x) <= 0.1, seed
+        err_fast += sum(err(grads_f[k], grads_x[k]) for k in grads_x)
+        err_route += sum(err(grads_n[k], grads_x[k]) for k in grads_x)
+    assert err_fast <= 1.5 * err_route, (err_fast, err_route)
 
 
 def saved_bytes(model, idx):
