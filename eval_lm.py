@@ -16,6 +16,7 @@ See docs/huggingface.md for the expected cost of the full table.
 """
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -35,6 +36,9 @@ def transformers_dir(path, tmp, tokenizer=None):
     checkpoint, an export with remote code), else the model written to tmp by save_hf."""
     path = Path(path)
     trained = latest(str(path)) is not None     # a train.py out_dir
+    if not trained and any(os.path.lexists(path / n) for n in ('ckpt', 'log.jsonl')):
+        raise Missing(f"{path} is a train.py out_dir without a checkpoint (its ckpt is missing or dangling); "
+                      f"nothing to evaluate (and its other files are not loaded)")
     if (path / 'config.json').is_file() and not trained:
         hf = json.loads((path / 'config.json').read_text())
         plain = hf.get('model_type') == 'qwen3' and (hf.get(ROUTING_CONFIG_KEY) or {}).get('residual', 'standard') == 'standard'

@@ -74,6 +74,13 @@ class GPTConfig:
             raise ValueError(f"res_gate applies to the additive modes (delta_attnres, delta_block), not {self.residual!r}")
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head}) for grouped-query attention")
+        for name in ('rope_theta', 'rms_norm_eps'):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive, finite number, got {value!r}")
+        for name in ('tie_embeddings', 'res_gate'):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def layers_per_block(self):

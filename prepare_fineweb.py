@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from checks import InvalidValue, Missing
 from tokenizer import get_tokenizer
-from data import token_dtype, write_shard
+from data import MAGIC, token_dtype, write_shard
 
 LOCAL_BUILDERS = {'.parquet': 'parquet', '.jsonl': 'json', '.json': 'json', '.txt': 'text'}
 
@@ -156,12 +156,27 @@ def prepare(documents, out_dir, name, tokenizer, max_tokens, val_tokens, shard_s
 
 
 def is_dataset_folder(path):
-    """A folder of this script's making (a dataset, or one left half-written or set aside): plain files named
-    meta.json or *.bin, nothing else. Only such a folder is ever replaced or deleted."""
+    """A folder of this script's making (a dataset, or one left half-written or set aside): plain files only, a
+    meta.json that is JSON and shards (*.bin, or *.bin.tmp cut short while written) that begin with the shard
+    format's magic number. Only such a folder is ever replaced or deleted: a user's own day1.bin is not a shard."""
     if not os.path.isdir(path) or os.path.islink(path):
         return False
-    return all(e.is_file(follow_symlinks=False) and (e.name == 'meta.json' or e.name.endswith('.bin'))
-               for e in os.scandir(path))
+
+    def ours(e):
+        if not e.is_file(follow_symlinks=False):
+            return False
+        with open(e.path, 'rb') as f:
+            head = f.read(4)
+        if e.name == 'meta.json':
+            try:
+                with open(e.path) as f:
+                    return isinstance(json.load(f), dict)
+            except ValueError:
+                return False
+        if e.name.endswith('.bin.tmp'):
+            return len(head) < 4 or int.from_bytes(head, 'little', signed=True) == MAGIC
+        return e.name.endswith('.bin') and len(head) == 4 and int.from_bytes(head, 'little', signed=True) == MAGIC
+    return all(ours(e) for e in os.scandir(path))
 
 
 def _write_shards(documents, partial, name, enc, tokenizer, max_tokens, val_tokens, shard_size, num_proc):

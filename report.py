@@ -45,7 +45,7 @@ import torch
 from checks import InvalidValue, Missing
 from checkpoints import trained_checkpoint
 from model import RESIDUAL_MODES
-from runs import read_state
+from runs import read_log, read_state
 
 # Settings that name or label a run without changing what it computes: runs differing only in these are seeds
 # of one experiment. `seed` sets the initial weights and the data order (data.ShardLoader).
@@ -79,7 +79,7 @@ def load_run(path):
         raise Missing(f"{run_dir} is not a train.py out_dir (log.jsonl is missing) nor a run saved by "
                                 f"--save_runs (RUN.json)")
     ckpt = trained_checkpoint(str(run_dir))
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    records = read_log(str(log))   # (a last line cut short by a full disk is dropped, with a note)
     config = read_state(ckpt)['config']     # the settings: the checkpoint's state.json
     # its wall time, where the script that ran it wrote one (results/study_runs.sh: OUT_DIR/seconds)
     seconds = float((run_dir / 'seconds').read_text()) if (run_dir / 'seconds').is_file() else None

@@ -19,10 +19,14 @@ any of them with read_checkpoint (DCP's own loading, into one process, through S
 runs code).
 """
 import atexit
+import dataclasses
+import errno
 import fcntl
+import io
 import json
 import math
 import os
+import pathlib
 import pickle
 import platform
 import re
@@ -30,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -38,11 +43,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata,
+                                                   _MEM_FORMAT_ENCODING)
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from checks import InvalidValue, Missing, is_count, is_number
+from model import GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 # DCP warns on every save and load in one process, even when asked for one (no_dist=True): that is what we mean
@@ -95,6 +104,32 @@ def init_distributed(backend, timeout):
 
 
 # -----------------------------------------------------------------------------
+# files: a run writes only files it creates itself, never through a link someone planted in its out_dir
+
+def refusal(path, error):
+    """The one line for a file this repository could not create or open safely (e.g. O_NOFOLLOW on a link)."""
+    if os.path.islink(path):
+        return (f"{path} is a symbolic link (to {os.readlink(path)}), which no run of this repository makes there; "
+                f"a run writes only its own files: remove the link, or choose another --out_dir")
+    return f"could not open {path}: {error}"
+
+
+def create(path, mode='w'):
+    """A new file at path, opened for writing: O_EXCL|O_NOFOLLOW, so never an existing file and never through a link
+    (FileExistsError otherwise)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), mode)
+
+
+def remove(path):
+    """Delete one entry that this repository wrote: a link or a file itself (never what a link points to), or a
+    folder and what it holds."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path)
+
+
+# -----------------------------------------------------------------------------
 # one run per out_dir, and a clean stop on a signal
 
 def lock(out_dir):
@@ -106,7 +141,10 @@ def lock(out_dir):
     created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, '.lock')
-    f = open(path, 'a+')
+    try:
+        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), 'r+')
+    except OSError as e:
+        raise InvalidValue(refusal(path, e)) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -116,10 +154,11 @@ def lock(out_dir):
         raise InvalidValue(f"out_dir={out_dir!r} is in use by another run ({holder}); wait for it to end or stop it, "
                          f"or choose another --out_dir") from None
     f.truncate(0)
+    f.seek(0)
     f.write(f"pid {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
     f.flush()
     def remove_if_unused():
-        if os.listdir(out_dir) == ['.lock']:
+        if os.path.isdir(out_dir) and os.listdir(out_dir) == ['.lock']:
             os.remove(path)
             os.rmdir(out_dir)
     if created:
@@ -186,20 +225,57 @@ def latest(out_dir):
     return steps[-1] if steps else None
 
 
+STEP = re.compile(r'step_\d{6}')
+
+
+def contents(out_dir):
+    """What a run of this repository wrote into out_dir: ([its checkpoint folders, their links `ckpt` and `best`,
+    its log and left-over temporary files], [entries that bear those names but are not its own]). A checkpoint is a
+    real step_NNNNNN folder with its state.json and .metadata; `ckpt` and `best` are links to a step_NNNNNN beside
+    them; log.jsonl is a plain file. Anything else, a user's best/ or step_000100/ folder say, is never deleted or
+    replaced: a run refuses to start beside it (its saves would have to replace it)."""
+    ours, foreign = [], []
+    for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+        path = os.path.join(out_dir, name)
+        real = not os.path.islink(path)
+        if name in ('ckpt', 'best', 'ckpt.tmp', 'best.tmp'):
+            mine = not real and STEP.fullmatch(os.readlink(path)) is not None
+        elif STEP.fullmatch(name):
+            mine = real and os.path.isfile(os.path.join(path, 'state.json')) and os.path.isfile(
+                os.path.join(path, '.metadata'))
+        elif name == 'log.jsonl' or re.fullmatch(r'log\.jsonl\..+\.tmp', name):    # (the second: a rename cut short)
+            mine = real and os.path.isfile(path)
+        elif re.fullmatch(r'step_\d{6}\.tmp', name):     # a save cut short
+            mine = real and os.path.isdir(path)
+        else:
+            continue
+        (ours if mine else foreign).append(path)
+    return ours, foreign
+
+
 def start_or_resume(init_from, out_dir, overwrite):
-    """-> 'resume' or what init_from says. One out_dir, one run: a new run never replaces a checkpoint silently.
-    init_from='auto' continues the run in out_dir if it has a checkpoint and starts it from scratch otherwise, so
-    that the same command survives `torchrun --max-restarts`, a requeue or a preempted machine."""
-    if init_from == 'auto':
-        init_from = 'resume' if latest(out_dir) else 'scratch'
+    """-> ('resume' or what init_from says, the files that a new run replaces). One out_dir, one run: a new run
+    never replaces anything silently, nor anything that this repository did not write. init_from='auto' continues
+    the run in out_dir if it has a checkpoint and starts it from scratch otherwise, so that the same command survives
+    `torchrun --max-restarts`, a requeue or a preempted machine (where the run that died saved no checkpoint, the
+    new start replaces its log)."""
+    ours, foreign = contents(out_dir)
+    if foreign:
+        raise InvalidValue(f"out_dir={out_dir!r} holds {', '.join(os.path.basename(p) for p in foreign)}, which no run "
+                           f"of this repository wrote, under a name that its runs write; move it away or choose "
+                           f"another --out_dir")
     held = latest(out_dir)
-    if init_from != 'resume' and held and not overwrite:
-        raise InvalidValue(f"out_dir={out_dir!r} holds the checkpoint {held} of an earlier run; continue it with "
-                         f"--init_from=resume (or auto), replace it with --overwrite=True, or choose another --out_dir")
-    if init_from == 'resume' and not latest(out_dir):
+    if init_from == 'auto':
+        init_from = 'resume' if held else 'scratch'
+        overwrite = overwrite or not held   # no checkpoint: at most the log of the same command, which died early
+    if init_from != 'resume' and ours and not overwrite:
+        what = f"the checkpoint {held}" if held else ', '.join(os.path.basename(p) for p in ours)
+        raise InvalidValue(f"out_dir={out_dir!r} holds {what} of an earlier run; continue it with "
+                           f"--init_from=resume (or auto), replace it with --overwrite=True, or choose another --out_dir")
+    if init_from == 'resume' and not held:
         raise Missing(f"init_from='resume' but {out_dir} has no checkpoint (out_dir/ckpt); "
                                 f"--init_from=auto starts the run when there is none")
-    return init_from
+    return init_from, [] if init_from == 'resume' else ours
 
 
 def differences(saved, now, ignore=()):
@@ -221,29 +297,72 @@ def check_resume(path, state, model_config, meta, data_dir, config, auto):
                          f"continue it with these changes with --init_from=resume, or choose another --out_dir")
 
 
+def read_log(path):
+    """A log.jsonl's records. A last line cut short (a full disk or a kill during an append) is dropped, with a note
+    on stderr; any other line that is not a JSON record means the file is not a train.py log: refused."""
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:
+            lines = f.read().split('\n')
+    except OSError as e:
+        raise InvalidValue(refusal(path, e)) from None
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except ValueError:
+            record = ...
+        if record is ... and i == len(lines) - 1:   # no newline after it: an append that did not finish
+            print(f"note: {path}: dropped its last line, cut short ({len(line)} bytes; a full disk or a kill while "
+                  f"it was written)", file=sys.stderr)
+        elif record is ... or (record is not None and not (isinstance(record, dict) and is_count(record.get('step')))):
+            raise InvalidValue(f"{path} is not a train.py log: line {i + 1} is not a record of one")
+        elif record is not None:
+            records.append(record)
+    return records
+
+
 def open_log(out_dir, step, first_record):
     """out_dir/log.jsonl for a run that starts (step None: a new log) or resumes at `step` (what the interrupted run
-    logged after its checkpoint is dropped: the resumed run logs those steps again); first_record is appended."""
+    logged after its checkpoint is dropped: the resumed run logs those steps again); first_record is appended. Written
+    under a new, unique name and renamed: a link planted at log.jsonl is replaced, never written through."""
     path = os.path.join(out_dir, 'log.jsonl')
     kept = []
-    if step is not None and os.path.isfile(path):
-        with open(path) as f:
-            kept = [line for line in f if json.loads(line)['step'] <= step]
-    with open(path + '.tmp', 'w') as f:
-        f.writelines(kept + [json.dumps(first_record) + '\n'])
-    os.replace(path + '.tmp', path)
+    if step is not None and os.path.lexists(path):
+        kept = [r for r in read_log(path) if r['step'] <= step]
+    fd, tmp = tempfile.mkstemp(prefix='log.jsonl.', suffix='.tmp', dir=out_dir)     # O_EXCL: a new file
+    with os.fdopen(fd, 'w') as f:
+        f.writelines(json.dumps(r) + '\n' for r in kept + [first_record])
+    os.replace(tmp, path)
     return path
 
 
-def clear(out_dir):
-    """A new run in out_dir (overwrite=True or nothing there): remove an earlier run's checkpoints and log."""
-    for name in os.listdir(out_dir):
-        path = os.path.join(out_dir, name)
-        if name in ('ckpt', 'best', 'log.jsonl') or name.startswith('step_'):
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+def append_log(path, record):
+    """Append one record to log.jsonl (never through a link). -> None, or the one-line reason it could not be
+    written (a full disk): the log is then cut back to its last whole record, so that it stays readable."""
+    line = (json.dumps(record) + '\n').encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+    except OSError as e:
+        return refusal(path, e)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, line)
+            if written < len(line):
+                raise OSError(errno.ENOSPC, f"only {written} of {len(line)} bytes written")
+        except OSError as e:
+            os.ftruncate(fd, size)
+            return f"could not append step {record.get('step')}'s record to {path} ({e.strerror or e}); it is lost"
+    finally:
+        os.close(fd)
+    return None
+
+
+def clear(found):
+    """A new run, after every check: remove the earlier run's files that start_or_resume found (its checkpoints,
+    their links, its log), and nothing else."""
+    for path in found:
+        remove(path)
 
 
 # -----------------------------------------------------------------------------
@@ -257,7 +376,7 @@ def _point(out_dir, name, target):
     """Make out_dir/name a link to target (a sibling folder), atomically."""
     tmp = os.path.join(out_dir, name + '.tmp')
     if os.path.lexists(tmp):
-        os.remove(tmp)
+        remove(tmp)
     os.symlink(os.path.basename(target), tmp)
     os.replace(tmp, os.path.join(out_dir, name))
 
@@ -271,9 +390,10 @@ def _discard(path):
     """Delete a checkpoint folder by renaming it to *.tmp first (atomic): a process killed while deleting leaves a
     .tmp folder, which the next save removes, never a half-deleted step_N."""
     tmp = path + '.tmp'
-    shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.lexists(tmp):
+        remove(tmp)
     os.rename(path, tmp)
-    shutil.rmtree(tmp)
+    remove(tmp)
 
 
 def save_checkpoint(out_dir, step, model, optimizer, state, is_best, master):
@@ -286,34 +406,44 @@ def save_checkpoint(out_dir, step, model, optimizer, state, is_best, master):
     final = os.path.join(out_dir, f'step_{step:06d}')
     tmp = final + '.tmp'
     distributed = dist.is_initialized()
-    if master:
-        for name in os.listdir(out_dir):      # left by a crash or a full disk
-            if name.startswith('step_') and name.endswith('.tmp'):
-                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
-        if os.path.isdir(final) and os.path.realpath(final) not in _kept(out_dir):
-            _discard(final)     # a step_N that no link named (killed before its link): this run replaces it
-    if distributed:
-        dist.barrier()
+    def why(e):
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+
+    def together(error):   # rank 0's own steps can fail alone: every rank goes on only if all could
+        if distributed:
+            failed = torch.tensor([error is not None], dtype=torch.float32,
+                                  device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+            dist.all_reduce(failed)
+            if failed.item() and error is None:
+                error = 'another rank could not write its part'
+        return error
     error = None
-    try:
-        msd, osd = get_state_dict(model, optimizer)    # sharded (DTensors) under FSDP2: each rank its own part
-        dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=tmp, no_dist=not distributed)
-        if master:
-            with open(os.path.join(tmp, 'state.json'), 'w') as f:
-                json.dump(state, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, final)
-    except (Exception, CheckpointException) as e:   # DCP gathers every rank's write errors, raises them on all
-        error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
-    if distributed:     # rank 0's own steps (state.json, the rename) can fail alone: decide together
-        failed = torch.tensor([error is not None], dtype=torch.float32,
-                              device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
-        dist.all_reduce(failed)
-        if failed.item() and error is None:
-            error = 'another rank could not write its part'
+    if master:
+        try:
+            for name in os.listdir(out_dir):      # left by a crash or a full disk (a link: removed, not followed)
+                if re.fullmatch(r'step_\d{6}\.tmp', name):
+                    remove(os.path.join(out_dir, name))
+            if os.path.lexists(final) and os.path.realpath(final) not in _kept(out_dir):
+                _discard(final)     # a step_N that no link named (killed before its link): this run replaces it
+            os.mkdir(tmp)   # a new folder of this run's own for DCP to write into (never a planted link)
+        except OSError as e:
+            error = why(e)
+    error = together(error)
+    if error is None:
+        try:
+            msd, osd = get_state_dict(model, optimizer)    # sharded (DTensors) under FSDP2: each rank its own part
+            dcp.save({'model': msd, 'optimizer': osd}, checkpoint_id=tmp, no_dist=not distributed)
+            if master:
+                with create(os.path.join(tmp, 'state.json')) as f:
+                    json.dump(state, f, indent=1)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.rename(tmp, final)
+        except (Exception, CheckpointException) as e:   # DCP gathers every rank's write errors, raises them on all
+            error = why(e)
+        error = together(error)
     if error is not None:
-        if master:
+        if master and os.path.isdir(tmp) and not os.path.islink(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         # the cause, and the room left beside the size of a checkpoint (a full disk can surface as any error)
         free = shutil.disk_usage(out_dir).free / 2**20
@@ -349,26 +479,106 @@ def resume(path, model, optimizer):
 # DCP (torch 2.13) has three ways to run code from a checkpoint's files: it unpickles the global .metadata without
 # restriction, falls back to a rank-local __<rank>.metadata (also plain pickle) when the global one is unusable, and
 # unpickles every non-tensor value (an optimizer's learning rate, say) with torch.load(weights_only=False). SafeReader
-# closes all three: the metadata is read by an unpickler that builds exactly the classes below and must yield DCP's
-# Metadata, there is no fallback, and non-tensor values must load with torch.load(weights_only=True) first.
+# closes all three: the metadata is read by an unpickler that checks every opcode (below) and must yield DCP's
+# Metadata, there is no fallback, and non-tensor values are loaded with torch.load(weights_only=True) alone.
 
-_METADATA_CLASSES = {('torch.distributed.checkpoint.metadata', name) for name in (
-    'Metadata', 'MetadataIndex', 'StorageMeta', 'TensorStorageMetadata', 'BytesStorageMetadata',
-    'ChunkStorageMetadata', 'TensorProperties', '_MEM_FORMAT_ENCODING')} | {
-    ('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('pathlib', 'PosixPath'),
-    ('pathlib', 'PurePosixPath'), ('pathlib', 'WindowsPath'), ('pathlib', 'PureWindowsPath'),
-    ('torch', 'Size'), ('torch.serialization', '_get_layout')}
+# What DCP's .metadata is made of: its dataclasses (NEWOBJ, then BUILD with a dict of their fields, or a tuple for
+# TensorProperties, which has a __setstate__), dtypes, and a few values made by calling a constructor (REDUCE).
+_BUILT = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (
+    Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
+    TensorProperties, _StorageInfo)}
+_CALLED = (torch.Size, _MEM_FORMAT_ENCODING, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
+           pathlib.PureWindowsPath, torch.serialization._get_layout)
+_GLOBALS = {**{(obj.__module__, obj.__qualname__): obj for obj in (*_BUILT, *_CALLED)}, ('torch', 'Size'): torch.Size}
+# opcodes that make only plain values, tuples and references; the rest are refused (INST, OBJ, NEWOBJ_EX, EXT*,
+# PERSID, sets, buffers, ...) or checked (those that call or change an object: below)
+_PLAIN = {getattr(pickle, name)[0] for name in (
+    'PROTO', 'FRAME', 'STOP', 'MARK', 'POP', 'POP_MARK', 'DUP', 'NONE', 'NEWTRUE', 'NEWFALSE', 'INT', 'BININT',
+    'BININT1', 'BININT2', 'LONG', 'LONG1', 'LONG4', 'FLOAT', 'BINFLOAT', 'STRING', 'BINSTRING', 'SHORT_BINSTRING',
+    'UNICODE', 'BINUNICODE', 'SHORT_BINUNICODE', 'BINUNICODE8', 'BINBYTES', 'SHORT_BINBYTES', 'BINBYTES8',
+    'EMPTY_TUPLE', 'TUPLE', 'TUPLE1', 'TUPLE2', 'TUPLE3', 'EMPTY_LIST', 'LIST', 'EMPTY_DICT', 'DICT', 'GET', 'BINGET',
+    'LONG_BINGET', 'PUT', 'BINPUT', 'LONG_BINPUT', 'MEMOIZE', 'GLOBAL', 'STACK_GLOBAL')}
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):
+    """Reads DCP's .metadata and nothing else. Allowing names is not enough: pickle's BUILD sets attributes on any
+    object it is handed, a class included (`PosixPath.parent = ...` for the rest of the process), and SETITEM writes
+    into any object. So this is the pure-Python unpickler with every opcode checked: names come only from _GLOBALS,
+    REDUCE calls only _CALLED, NEWOBJ makes only the dataclasses of _BUILT, BUILD fills only an object that NEWOBJ
+    made in this very file and only with its own fields, SETITEM(S) and APPEND(S) fill only dicts and lists, and
+    any opcode not named here is refused."""
+
+    def __init__(self, file):
+        super().__init__(file)
+        self.made = {}      # id -> object, each object NEWOBJ made here (held, so that no other object takes its id)
+
     def find_class(self, module, name):
-        # exact (module, name) pairs: no whole modules, and so no dotted names ('pathlib', 'os.system'), which
-        # pickle would resolve attribute by attribute from protocol 4 on
-        if (module, name) in _METADATA_CLASSES or (module == 'torch' and '.' not in name and isinstance(
-                getattr(torch, name, None), (torch.dtype, torch.memory_format))):
-            return super().find_class(module, name)
+        if (module, name) in _GLOBALS:
+            return _GLOBALS[module, name]
+        if module == 'torch' and '.' not in name and isinstance(getattr(torch, name, None),
+                                                                (torch.dtype, torch.memory_format)):
+            return getattr(torch, name)     # (values: nothing to call, and BUILD refuses them)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
+    def load_reduce(self):
+        func, args = self.stack[-2], self.stack[-1]
+        if not any(func is f for f in _CALLED) or type(args) is not tuple:
+            raise pickle.UnpicklingError(f"calling {func!r} is not part of a checkpoint's metadata")
+        super().load_reduce()
+
+    def load_newobj(self):
+        cls, args = self.stack[-2], self.stack[-1]
+        if not any(cls is c for c in _BUILT) or args != ():
+            raise pickle.UnpicklingError(f"making a {cls!r} is not part of a checkpoint's metadata")
+        del self.stack[-2:]
+        obj = cls.__new__(cls)
+        self.made[id(obj)] = obj
+        self.append(obj)
+
+    def load_build(self):
+        state, inst = self.stack[-1], self.stack[-2]
+        if self.made.get(id(inst)) is not inst:
+            raise pickle.UnpicklingError(f"changing {inst!r} is not part of a checkpoint's metadata")
+        if type(inst) is TensorProperties:  # its own __setstate__ takes a tuple of 5 values
+            ok = type(state) is tuple and len(state) == 5
+        else:
+            ok = type(state) is dict and all(type(k) is str and k in _BUILT[type(inst)] for k in state)
+        if not ok:
+            raise pickle.UnpicklingError(f"a {type(inst).__name__} with other fields than DCP's")
+        super().load_build()
+
+    def _into(self, kind, items):
+        target = self.stack[-1]
+        if type(target) is not kind:
+            raise pickle.UnpicklingError(f"adding items to {target!r} is not part of a checkpoint's metadata")
+        if kind is dict:
+            target.update(zip(items[::2], items[1::2]))
+        else:
+            target.extend(items)
+
+    def load_setitem(self):
+        value, key = self.stack.pop(), self.stack.pop()
+        self._into(dict, [key, value])
+
+    def load_setitems(self):
+        self._into(dict, self.pop_mark())
+
+    def load_append(self):
+        self._into(list, [self.stack.pop()])
+
+    def load_appends(self):
+        self._into(list, self.pop_mark())
+
+    def refuse(self):
+        raise pickle.UnpicklingError("an opcode that is not part of a checkpoint's metadata")
+
+
+
+# pickle._Unpickler.load runs self.dispatch[opcode](self): the plain opcodes' own handlers, the checked ones above
+_MetadataUnpickler.dispatch = {code: pickle._Unpickler.dispatch[code] if code in _PLAIN else _MetadataUnpickler.refuse
+                               for code in range(256)}
+for _name in ('REDUCE', 'NEWOBJ', 'BUILD', 'SETITEM', 'SETITEMS', 'APPEND', 'APPENDS'):
+    _MetadataUnpickler.dispatch[getattr(pickle, _name)[0]] = getattr(_MetadataUnpickler, f'load_{_name.lower()}')
 
 def read_metadata(path):
     """A checkpoint folder's DCP metadata, unpickled safely; a ValueError naming the folder if it is missing,
@@ -379,8 +589,9 @@ def read_metadata(path):
     try:
         with open(meta, 'rb') as f:
             metadata = _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError, IndexError) as e:
-        raise InvalidValue(f"checkpoint {path} is refused: its .metadata is corrupt or holds code ({e})") from None
+    except (Exception, RecursionError) as e:     # whatever a hostile or damaged file makes the unpickler raise
+        raise InvalidValue(f"checkpoint {path} is refused: its .metadata is corrupt or holds code "
+                           f"({type(e).__name__}: {e})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise InvalidValue(f"checkpoint {path} is refused: its .metadata holds a {type(metadata).__name__}, "
                          f"not DCP's Metadata")
@@ -407,14 +618,32 @@ class SafeReader(FileSystemReader):
             try:
                 with warnings.catch_warnings():     # (about the pickle protocol of a value DCP wrote itself)
                     warnings.simplefilter('ignore')
-                    torch.load(value, weights_only=True)    # plain values only; anything else is refused
+                    plain = torch.load(value, weights_only=True)    # plain values only; anything else is refused
             except (pickle.UnpicklingError, RuntimeError, EOFError):
                 raise RefusedCheckpoint(f"its value {read_item.dest_index.fqn} holds more than plain values, "
                                         f"which could run code when loaded") from None
-            value.seek(0)
-            unsafe(read_item, value)
+            # DCP unpickles the bytes it is handed without restriction: hand it the plain value, pickled here
+            again = io.BytesIO()
+            torch.save(plain, again)
+            again.seek(0)
+            unsafe(read_item, again)
         planner.load_bytes = load_bytes
         return super().read_data(plan, planner)
+
+
+def is_model_config(v):
+    """Does state.json's model_config describe a model that model.py builds (its own fields, valid values)?"""
+    try:
+        GPTConfig(**v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def is_tokenizer(name):
+    """A tokenizer name as prepare_fineweb.py records it: 'byte', 'gpt2' or a local tokenizer.json. A checkpoint
+    that names anything else (a Hub repository, which the loaders would contact, or another file) is refused."""
+    return isinstance(name, str) and (name in ('byte', 'gpt2') or os.path.basename(name) == 'tokenizer.json')
 
 
 def read_state(path):
@@ -428,8 +657,8 @@ def read_state(path):
     except (OSError, ValueError) as e:
         raise InvalidValue(f"checkpoint {path} has no readable state.json ({type(e).__name__}); "
                          f"its save did not finish?") from None
-    expected = {'model_config': lambda v: isinstance(v, dict), 'config': lambda v: isinstance(v, dict),
-                'meta': lambda v: isinstance(v, dict), 'iter_num': is_count, 'data_pos': is_count,
+    expected = {'model_config': is_model_config, 'config': lambda v: isinstance(v, dict),
+                'meta': lambda v: isinstance(v, dict) and is_tokenizer(v.get('tokenizer', 'byte')), 'iter_num': is_count, 'data_pos': is_count,
                 'best_val_loss': lambda v: v is None or is_number(v),
                 'best_ckpt': lambda v: v is None or (isinstance(v, list) and len(v) == 2 and is_count(v[0])
                                                      and is_number(v[1]))}
@@ -494,7 +723,7 @@ class Guard:
         bad_step, loss, norm = self.first_bad.tolist()
         if bad_step:
             self.stop(f"step {int(bad_step)}: non-finite loss ({loss}) or gradient norm ({norm}); stopped at step "
-                      f"{step} without updating the weights by any non-finite step. {self.kept()}")
+                      f"{step} without updating the weights by any non-finite step. {self.kept(diverged=True)}")
 
     def check(self, step, loss, what):
         """Stop if `loss` (the same on every rank: all-reduced) is not finite or past divergence_factor x the best
@@ -503,7 +732,7 @@ class Guard:
         if not math.isfinite(loss) or (f and best is not None and loss > f * best):
             self.stop(f"step {step}: {what} {loss:.4g} " + ("is not finite" if not math.isfinite(loss) else
                       f"is over divergence_factor={f} x the best val loss {best:.4f}") + f": the run diverged; "
-                      f"stopped. {self.kept()}")
+                      f"stopped. {self.kept(diverged=True)}")
         if what == 'val loss':
             self.best_val_loss = loss if best is None else min(best, loss)
 
@@ -516,14 +745,14 @@ class Guard:
         if is_best:
             self.best_ckpt = [step, val_loss]
 
-    def kept(self):
+    def kept(self, diverged=False):
         """The end of every stop message: which checkpoints are on disk, untouched, and how to go on."""
         if self.last_ckpt is None:
             return "No checkpoint was written yet."
         ckpt, best = os.path.join(self.out_dir, 'ckpt'), os.path.join(self.out_dir, 'best')
         return (f"The checkpoints are untouched: {ckpt} (step {self.last_ckpt})"
                 + (f" and {best} (step {self.best_ckpt[0]}, val loss {self.best_ckpt[1]:.4f})" if self.best_ckpt else "")
-                + "; resume the latest with --init_from=resume and e.g. a lower learning_rate.")
+                + "; resume the latest with --init_from=resume" + (" and e.g. a lower learning_rate." if diverged else "."))
 
     def stop(self, msg):
         """End every process; rank 0 says why (one line, no traceback). The checkpoints on disk are the last good ones."""

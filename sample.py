@@ -12,6 +12,7 @@ Routing mixes over depth, separately for every token, so only attention needs a 
 builds its own sources (and partial block) from its own sublayer outputs, reading the past only
 through the cached keys and values.
 """
+import math
 import os
 import sys
 import time
@@ -73,7 +74,8 @@ if __name__ == '__main__':
     print_mistakes()    # a mistake in a setting or a file: one line (checks.py); a bug: its traceback
     exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())  # overrides: command line, config file
     check_settings(globals(), {  # setting: (holds?, what is expected); all checked before the model is loaded
-        'temperature': (temperature >= 0, '>= 0 (0: greedy, always the most likely token)'),
+        'temperature': (temperature == 0 or 1e-4 <= temperature < math.inf,
+                        '0 (greedy, always the most likely token) or a number from 1e-4 up'),
         'top_k': (top_k >= 0, '>= 0 (0: all tokens)'),
         'num_samples': (num_samples >= 1, '>= 1'),
         'max_new_tokens': (max_new_tokens >= 1, '>= 1'),

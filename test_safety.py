@@ -11,7 +11,7 @@ import pytest
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from test_train import REPO, TINY, corpus, losses, train, val_losses  # noqa: F401 (corpus: the fixture)
+from test_train import REPO, TINY, corpus, losses, sha, train, val_losses  # noqa: F401 (corpus: the fixture)
 
 RUN = ['--max_iters=6', '--lr_decay_iters=6', '--eval_interval=3']
 
@@ -55,9 +55,12 @@ def craft(src, dst, how, marker):
     elif how == 'rank_local':   # an unusable global metadata makes DCP read __0.metadata with plain pickle
         meta.write_bytes(pickle.dumps(0))
         (dst / '__0.metadata').write_bytes(pickle.dumps(Exploit(marker)))
-    elif how == 'bytes':    # DCP loads every non-tensor value with torch.load(weights_only=False)
+    elif how in opcodes(marker):
+        payload = opcodes(marker)[how]
+        meta.write_bytes(payload + (real[2:] if how == 'build_then_metadata' else b''))
+    elif how in ('bytes', 'bytes_build'):    # DCP loads every non-tensor value with torch.load(weights_only=False)
         md = pickle.loads(real)
-        payload = pickle.dumps(Exploit(marker))
+        payload = pickle.dumps(Exploit(marker)) if how == 'bytes' else opcodes(marker)['build_class']
         (dst / 'extra.bin').write_bytes(payload)
         # a value of the model's that it does not have (the scripts load every one), and the optimizer's
         # learning rate (train.py's resume loads the values its optimizer has)
@@ -69,7 +72,44 @@ def craft(src, dst, how, marker):
         meta.write_bytes(pickle.dumps(md))
 
 
-HOW = ['dotted', 'reduce', 'rank_local', 'bytes']
+def s(text):
+    return pickle.SHORT_BINUNICODE + bytes([len(text)]) + text.encode()
+
+
+def opcodes(marker):
+    """Pickles that an allow-list of names lets through but that change a class or a shared object (BUILD, SETITEM)
+    or build one by an opcode DCP never writes (INST, OBJ, NEWOBJ_EX): each sets the attribute `pwned` to the
+    marker's path on its victim (PosixPath or an enum member of DCP's metadata), or `parent` on PosixPath."""
+    P = pickle.PROTO + b'\x04'
+    posix = s('pathlib') + s('PosixPath') + pickle.STACK_GLOBAL
+    enum = (s('torch.distributed.checkpoint.metadata') + s('_MEM_FORMAT_ENCODING') + pickle.STACK_GLOBAL
+            + pickle.BININT1 + b'\x00' + pickle.TUPLE1 + pickle.REDUCE)
+    state = pickle.EMPTY_DICT + s('pwned') + s(str(marker)) + pickle.SETITEM
+    return {
+        # BUILD with (None, slot state): setattr on the class itself (export.py then copies from PosixPath.parent)
+        'build_class': P + posix + pickle.NONE + pickle.EMPTY_DICT + s('parent') + s(str(marker)) + pickle.SETITEM
+                       + pickle.TUPLE2 + pickle.BUILD + pickle.STOP,
+        'build_class_dict': P + posix + state + pickle.BUILD + pickle.STOP,
+        'build_enum': P + enum + pickle.NONE + state + pickle.TUPLE2 + pickle.BUILD + pickle.STOP,
+        'setitem_class': P + posix + s('pwned') + s(str(marker)) + pickle.SETITEM + pickle.STOP,
+        'inst': P + pickle.MARK + pickle.INST + b'pathlib\nPosixPath\n' + pickle.STOP,
+        'obj': P + pickle.MARK + posix + pickle.OBJ + pickle.STOP,
+        'newobj_ex': P + posix + pickle.EMPTY_TUPLE + pickle.EMPTY_DICT + pickle.NEWOBJ_EX + pickle.STOP,
+        # the real metadata, after a BUILD that changes a class: the load must stop at the BUILD
+        'build_then_metadata': P + posix + pickle.NONE + pickle.EMPTY_DICT + s('pwned') + s(str(marker))
+                               + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD + pickle.POP,
+    }
+
+
+def victims_untouched():
+    import pathlib
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    return (isinstance(pathlib.PurePath.__dict__['parent'], property) and 'parent' not in pathlib.PosixPath.__dict__
+            and not hasattr(pathlib.PosixPath, 'pwned')
+            and not any(hasattr(e, 'pwned') for e in _MEM_FORMAT_ENCODING))
+
+
+HOW = ['dotted', 'reduce', 'rank_local', 'bytes', 'bytes_build', *opcodes('x')]
 
 
 @pytest.mark.parametrize('how', HOW)
@@ -92,12 +132,13 @@ def test_a_crafted_checkpoint_runs_no_code_in_any_loader(reference, tmp_path, ho
         'resume': lambda: resume(str(ckpt), model, optimizer),  # train.py's, even without read_state before it
     }
     for name, load in loaders.items():
-        if how == 'bytes' and name == 'read_state':
+        if how.startswith('bytes') and name == 'read_state':
             assert read_state(str(ckpt))['iter_num'] == 6   # the metadata itself is sound; its values are not
             continue
         with pytest.raises(ValueError, match=f'checkpoint {tmp_path}/out/(ckpt|step_000006) is refused: ') as e:
             load()
         assert 'holds code' in str(e.value) or "not DCP's Metadata" in str(e.value) or 'could run code' in str(e.value)
+        assert victims_untouched(), (name, how)
     assert not marker.exists()
     # the scripts, as a user runs them: one line each, no traceback, no command run
     if how in ('dotted', 'bytes'):
@@ -273,3 +314,196 @@ def test_a_kill_at_every_file_operation_of_a_save_continues_exactly(corpus, tmp_
         assert r['killed'] == -9 and r['restart'] == 0 and r['equal'] and r['ckpt'] == 'step_000006', r
     # among them the kill between the folder's rename and the link swap: a complete step_6 that no link names
     assert any('step_000006' in r['listing'] and r['linked'] == 'step_000003' for r in results)
+
+
+# -----------------------------------------------------------------------------
+# round two (issue 46): links planted in an out_dir, a user's files beside a run, a signal before the first step,
+# a full disk during a log append, and checkpoint fields that name files or Hub repositories
+
+def test_a_link_planted_in_an_out_dir_is_never_written_through(corpus, reference, tmp_path):
+    victim = tmp_path / 'victim'
+    victim.write_text('{"step": 0, "precious": 1}\n')   # (JSON: the test reads logs)
+    other = tmp_path / 'other_run_step'     # another run's checkpoint folder
+    shutil.copytree(reference[0] / 'ckpt', other)
+    other_hash = sha(other)
+    # the log is rewritten under a new, unique name: a link at the old fixed name is never touched
+    out = tmp_path / 'run'
+    copy_run(reference, out)
+    os.symlink(victim, out / 'log.jsonl.tmp')
+    p, records = train(corpus, out, *RUN[1:], '--max_iters=9', '--init_from=resume')
+    _, full = train(corpus, tmp_path / 'full', *RUN[1:], '--max_iters=9')
+    assert losses(records) == losses(full) and victim.read_text() == '{"step": 0, "precious": 1}\n'
+    # a link where a run writes (its lock, its log, a save's folder, the links it swaps): refused in one line
+    for name, target in (('.lock', victim), ('log.jsonl', victim), ('step_000009.tmp', other), ('ckpt.tmp', victim),
+                         ('best.tmp', victim), ('best', victim), ('step_000009', other)):
+        run = tmp_path / f'run{name}'
+        copy_run(reference, run)
+        if os.path.lexists(run / name):
+            (run / name).unlink()
+        os.symlink(target, run / name)
+        p, _ = train(corpus, run, *RUN[1:], '--max_iters=9', '--init_from=resume', check=False)
+        assert p.returncode == 1 and 'Traceback' not in p.stderr, p.stderr
+        assert 'is a symbolic link' in p.stderr or f'holds {name}, which no run of this repository wrote' in p.stderr
+        assert victim.read_text() == '{"step": 0, "precious": 1}\n' and sha(other) == other_hash
+
+
+def test_a_save_never_writes_through_a_link_that_appears_while_the_run_runs(reference, tmp_path):
+    """The checks at start cannot see a link planted later: the save itself removes links, never follows them."""
+    from model import GPT, GPTConfig
+    from runs import save_checkpoint
+    other = tmp_path / 'other_run_step'
+    shutil.copytree(reference[0] / 'ckpt', other)
+    other_hash = sha(other)
+    victim = tmp_path / 'victim'
+    victim.write_text('precious')
+    out = tmp_path / 'run'
+    out.mkdir()
+    os.symlink(other, out / 'step_000001.tmp')
+    os.symlink(victim, out / 'ckpt.tmp')
+    state = json.loads((other / 'state.json').read_text())
+    model = GPT(GPTConfig(**state['model_config']))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+    save_checkpoint(str(out), 1, model, optimizer, state, True, True)
+    assert sha(other) == other_hash and victim.read_text() == 'precious'
+    assert sorted(os.listdir(out)) == ['best', 'ckpt', 'step_000001'] and (out / 'step_000001' / 'state.json').is_file()
+
+
+def test_a_new_run_deletes_nothing_it_did_not_write(corpus, reference, tmp_path):
+    out = tmp_path / 'mine'
+    (out / 'best').mkdir(parents=True)
+    (out / 'best' / 'README').write_text('my best results')
+    (out / 'step_by_step').mkdir()
+    (out / 'step_by_step' / 'notes').write_text('notes')
+    (out / 'step_000100').mkdir()       # named like a checkpoint, but not one (no state.json)
+    for extra in ([], ['--overwrite=True'], ['--init_from=auto']):
+        p, _ = train(corpus, out, *RUN, *extra, check=False)
+        assert p.returncode == 1 and 'Traceback' not in p.stderr
+        assert 'holds best, step_000100, which no run of this repository wrote' in p.stderr, p.stderr
+    assert (out / 'best' / 'README').read_text() == 'my best results'
+    assert (out / 'step_by_step' / 'notes').read_text() == 'notes' and (out / 'step_000100').is_dir()
+    # beside files of other names a run starts, and leaves them
+    shutil.rmtree(out / 'best')
+    (out / 'step_000100').rmdir()
+    train(corpus, out, *RUN)
+    assert (out / 'step_by_step' / 'notes').read_text() == 'notes'
+    # a log without a checkpoint (a run killed before its first save): kept unless asked to replace it
+    run = tmp_path / 'killed'
+    run.mkdir()
+    shutil.copy(reference[0] / 'log.jsonl', run / 'log.jsonl')
+    p, _ = train(corpus, run, *RUN, check=False)
+    assert p.returncode == 1 and 'holds log.jsonl of an earlier run' in p.stderr
+    train(corpus, run, *RUN, '--init_from=auto')   # the same command, restarted: it replaces its own log
+
+
+SIGNAL_AT_EVAL = """
+import os, runpy, signal, sys
+sys.path.insert(0, os.getcwd())
+import data
+val = data.ShardLoader.val_batches
+def val_batches(self, n):
+    os.kill(os.getpid(), signal.SIGTERM)    # during the step-0 evaluation, before any optimizer step
+    return val(self, n)
+data.ShardLoader.val_batches = val_batches
+sys.argv = ['train.py'] + sys.argv[2:]
+runpy.run_path('train.py', run_name='__main__')
+"""
+
+
+def test_a_signal_before_the_first_step_saves_nothing_and_restarts_exactly(corpus, reference, tmp_path):
+    wrapper = tmp_path / 'signaller.py'
+    wrapper.write_text(SIGNAL_AT_EVAL)
+    out = tmp_path / 'run'
+    p, _ = train(corpus, out, *RUN, wrapper=wrapper, check=False)
+    assert p.returncode == 128 + 15 and 'Traceback' not in p.stderr, p.stderr[-2000:]
+    assert 'step 0: stopped by SIGTERM before any checkpoint: nothing saved' in p.stdout
+    assert not [n for n in os.listdir(out) if n.startswith('step_')] and not os.path.lexists(out / 'ckpt')
+    p, records = train(corpus, out, *RUN, '--init_from=auto')
+    assert losses(records) == reference[1] and val_losses(records) == reference[2]
+
+
+def test_a_full_disk_during_a_log_append_leaves_a_readable_log(tmp_path, capsys):
+    import errno
+    import report
+    from runs import append_log, open_log, read_log
+    path = open_log(str(tmp_path), None, {'step': 0, 'provenance': {}})
+    assert append_log(path, {'step': 1, 'loss': 2.5}) is None
+    real = os.write
+
+    def full(fd, data):     # the disk fills half-way through the line
+        real(fd, data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    os.write = full
+    try:
+        problem = append_log(path, {'step': 2, 'loss': 2.4})
+    finally:
+        os.write = real
+    assert 'could not append step 2' in problem and 'No space left on device' in problem
+    assert [r['step'] for r in read_log(path)] == [0, 1]    # cut back to its last whole record
+    # a log torn by a kill mid-append: the torn line is dropped, with a note, by a resume and by report.py
+    with open(path, 'a') as f:
+        f.write('{"step": 2, "lo')
+    assert [r['step'] for r in read_log(path)] == [0, 1]
+    assert 'dropped its last line, cut short' in capsys.readouterr().err
+    open_log(str(tmp_path), 1, {'step': 1, 'provenance': {}})
+    assert [r['step'] for r in read_log(path)] == [0, 1, 1]
+    assert report.read_log is read_log
+    # a line in the middle that is not a record: not a train.py log
+    (tmp_path / 'log.jsonl').write_text('{"step": 0}\nrm -rf\n{"step": 1}\n')
+    with pytest.raises(ValueError, match='is not a train.py log: line 2'):
+        read_log(path)
+
+
+def test_checkpoint_fields_are_what_train_py_writes(reference, tmp_path):
+    from runs import read_state
+    ckpt = tmp_path / 'step_000006'
+    shutil.copytree(reference[0] / 'ckpt', ckpt)
+    state = json.loads((ckpt / 'state.json').read_text())
+    for field, value in (('model_config', {**state['model_config'], 'extra': 1}),
+                         ('model_config', {**state['model_config'], 'residual': 'nope'}),
+                         ('model_config', {**state['model_config'], 'rope_theta': 1e999}),
+                         ('meta', {**state['meta'], 'tokenizer': 'some-user/some-repo'}),
+                         ('meta', {**state['meta'], 'tokenizer': '/etc/passwd'})):
+        (ckpt / 'state.json').write_text(json.dumps({**state, field: value}))
+        with pytest.raises(ValueError, match=f"state.json that train.py did not write: missing or wrong {field}"):
+            read_state(str(ckpt))
+
+
+def test_eval_lm_refuses_an_out_dir_without_a_checkpoint(tmp_path):
+    from eval_lm import transformers_dir
+    out = tmp_path / 'run'
+    out.mkdir()
+    os.symlink('step_000099', out / 'ckpt')     # dangling
+    (out / 'config.json').write_text('{"model_type": "delta_attnres_gpt", "auto_map": {}}')
+    (out / 'modeling.py').write_text(f"open({str(tmp_path / 'pwned')!r}, 'w')")
+    with pytest.raises(FileNotFoundError, match='is a train.py out_dir without a checkpoint'):
+        transformers_dir(out, str(tmp_path / 'tmp'))
+    assert not (tmp_path / 'pwned').exists()
+
+
+def test_prepare_fineweb_keeps_a_folder_of_the_users_bin_files(tmp_path):
+    data = tmp_path / 'data'
+    (data / 'mine').mkdir(parents=True)
+    for name in ('day1.bin', 'day2.bin'):
+        (data / 'mine' / name).write_bytes(b'my own recording' * 100)
+    (tmp_path / 'docs.txt').write_text('some text\n\nmore text\n' * 200)
+    p = subprocess.run([sys.executable, 'prepare_fineweb.py', '--local', str(tmp_path / 'docs.txt'), '--tokenizer=byte',
+                        '--val_tokens=100', '--num_proc=1', f'--data_root={data}', '--name=mine'],
+                       cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 1 and 'is not a dataset that prepare_fineweb.py wrote' in p.stderr, p.stderr
+    assert sorted(os.listdir(data / 'mine')) == ['day1.bin', 'day2.bin']
+
+
+@pytest.mark.parametrize('setting,says', [('--seed=-1', 'seed=-1: expected an integer >= 0'),
+                                          ('--out_dir=', "out_dir='': expected a folder"),
+                                          ('--rms_norm_eps=-1', 'rms_norm_eps must be a positive, finite number'),
+                                          ('--rope_theta=1e999', 'rope_theta must be a positive, finite number')])
+def test_settings_refused_before_any_work(corpus, tmp_path, setting, says):
+    p, _ = train(corpus, tmp_path / 'run', *RUN, setting, check=False)
+    assert p.returncode == 1 and says in p.stderr and 'Traceback' not in p.stderr, p.stderr[-2000:]
+    assert 'val loss' not in p.stdout and not (tmp_path / 'run').exists()
+
+
+def test_sample_refuses_a_temperature_that_overflows(reference):
+    p = subprocess.run([sys.executable, 'sample.py', f'--out_dir={reference[0]}', '--temperature=1e-320'],
+                       cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 1 and 'temperature=1e-320: expected 0' in p.stderr and 'Traceback' not in p.stderr

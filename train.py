@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checks import InvalidValue, check_settings, is_number, print_mistakes
+from checks import InvalidValue, check_settings, is_count, is_number, print_mistakes
 from checkpoints import load_hf
 from data import ShardLoader, load_meta
 from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
-from runs import (CheckpointWriteError, Guard, Stop, check_resume, clear, differences, init_distributed, latest, lock,
-                  open_log, provenance, read_state, resume, save_checkpoint, start_or_resume)
+from runs import (CheckpointWriteError, Guard, Stop, append_log, check_resume, clear, differences, init_distributed,
+                  latest, lock, open_log, provenance, read_state, resume, save_checkpoint, start_or_resume)
 
 # -----------------------------------------------------------------------------
 # default config values: the paper's 220M standard run
@@ -138,6 +138,8 @@ check_settings(globals(), {  # setting: (holds?, what is expected); checks.py
     **{k: (globals()[k] >= 1, '>= 1') for k in ('batch_size', 'block_size', 'eval_interval', 'log_interval')},
     'eval_iters': (eval_iters >= world_size, f'>= the number of processes, {world_size} (every rank evaluates a batch)'),
     'max_iters': (max_iters >= 0, '>= 0'),
+    'seed': (is_count(seed), 'an integer >= 0'),
+    'out_dir': (isinstance(out_dir, str) and out_dir.strip() != '', 'a folder (not empty)'),
     'vocab_size': (vocab_size is None or (isinstance(vocab_size, int) and vocab_size >= 1),
                    "None (the dataset's) or an int >= 1"),
     'learning_rate': (learning_rate >= 0, '>= 0'),
@@ -161,7 +163,7 @@ check_settings(globals(), {  # setting: (holds?, what is expected); checks.py
 # one out_dir, one run: locked for this run's life, and only a resume continues what is there (runs.py)
 out_dir_lock = lock(out_dir) if int(os.environ.get('RANK', 0)) == 0 else None
 auto = init_from == 'auto'
-init_from = start_or_resume(init_from, out_dir, overwrite)
+init_from, replaced = start_or_resume(init_from, out_dir, overwrite)   # (replaced: what a new run deletes)
 
 if ddp:
     init_distributed('nccl' if device.startswith('cuda') else 'gloo', timedelta(seconds=ddp_timeout_s))  # runs.py
@@ -290,8 +292,8 @@ if ddp and not fsdp:
     model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
 
 # Every setting, the data, the model and the checkpoint are checked: only now is out_dir changed
-if master and init_from != 'resume':  # (overwrite=True, or there was nothing to overwrite)
-    clear(out_dir)
+if master:  # an earlier run's checkpoints and log, with overwrite=True (runs.start_or_resume)
+    clear(replaced)
 
 # logging: a compact line on stdout, every number in out_dir/log.jsonl
 log_path = open_log(out_dir, iter_num if init_from == 'resume' else None,
@@ -303,8 +305,8 @@ if wandb_log and master:
 
 def log(record):
     if master:
-        with open(log_path, 'a') as f:
-            f.write(json.dumps(record) + '\n')
+        if problem := append_log(log_path, record):    # a full disk: one line, and the log stays readable
+            print(f"warning: {problem}", flush=True)
         if wandb_log:
             wandb.log({k: v for k, v in record.items() if k != 'routing'}, step=record['step'])
 
@@ -477,11 +479,15 @@ while True:
 
 if signum:
     guard.stop_if_skipped(iter_num)   # never checkpoint after a skipped step
-    if guard.last_ckpt != iter_num:
+    # Before the first step there is nothing to save (and DCP would fill the optimizer's empty state by stepping it):
+    # a new run then restarts from scratch, a resumed one from the checkpoint it began with.
+    if guard.last_ckpt != iter_num and iter_num > start_iter:
         checkpoint(None)
     if master:
-        print(f"step {iter_num}: stopped by {signal.Signals(signum).name}; continue with the same command and "
-              f"--init_from=auto (or resume)")
+        print(f"step {iter_num}: stopped by {signal.Signals(signum).name}"
+              + ("" if guard.last_ckpt is not None else " before any checkpoint: nothing saved")
+              + "; continue with the same command and --init_from=auto" + ("" if guard.last_ckpt is None else
+                                                                           " (or resume)"))
 if ddp:
     dist.destroy_process_group()
 if out_dir_lock:
