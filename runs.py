@@ -89,6 +89,23 @@ def cpu_name():
     return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
 
 
+def busy_cores(threads):
+    """On a CPU: one line saying what to do when this process's threads fight other jobs for the cores (the load
+    average, which counts this run's own busy threads once it trains, is above the number of cores), else None.
+    Threads that wait for a busy core make every step wait for the slowest one: two 2-thread runs on 2 cores
+    measured 334-439 tok/s in the quick start, 1,767-3,925 tok/s each with OMP_NUM_THREADS=1."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    if threads <= 1 or load < cores + 0.5:
+        return None
+    return (f"note: this machine is busy (load average {load:.1f} on {cores} cores) and torch runs {threads} threads: "
+            f"they wait for each other's cores. Stop with Ctrl-C (it saves) and continue with OMP_NUM_THREADS=1 "
+            f"python train.py ... --init_from=auto, which may be several times faster here")
+
+
 def init_distributed(backend, timeout):
     """dist.init_process_group under torchrun, so that its restarts (--max-restarts) work. A restarted worker meets
     the others through the same TCP store as the workers it replaces, and gloo would read those dead workers'
@@ -173,11 +190,13 @@ class Stop:
     checkpoint stays as it is (saves are atomic). One arriving within a second of the first is the same event
     delivered twice and counts once: Ctrl-C under torchrun reaches each worker from the terminal and again from
     torchrun, and so does a scheduler's signal sent to every process of a job. Under torchrun all ranks stop at
-    the same step, even when only one was signalled: each step all-reduces every rank's flag, and the host reads
-    the result a step later, when the device has long finished it, so checking costs no wait."""
+    the same step, even when only one was signalled: their flags are all-reduced and read on the steps that log,
+    where every rank waits for its device anyway. Reading a device tensor on any other step would make the host wait
+    for all the work queued before it (a device-to-host copy is stream-ordered), so a signal is acted on at the next
+    logged step (log_interval)."""
 
     def __init__(self, device, verbose):
-        self.signum, self.device, self.verbose, self.pending, self.at = 0, device, verbose, None, None
+        self.signum, self.device, self.verbose, self.at = 0, device, verbose, None
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, self._received)
 
@@ -192,14 +211,16 @@ class Stop:
             print(f"received {signal.Signals(signum).name}: stopping after this step with a checkpoint "
                   f"(send it again to stop at once)", flush=True)
 
-    def requested(self):
-        """The signal number (0: none) at which every rank stops now, the same on all ranks."""
+    def requested(self, logged):
+        """The signal number (0: none) at which every rank stops now, the same on all ranks. logged: this step
+        logged (the host has waited for the device); the ranks agree only then."""
         if not dist.is_initialized():
             return self.signum
-        agreed = int(self.pending.item()) if self.pending is not None else 0
-        self.pending = torch.full((), self.signum, dtype=torch.int32, device=self.device)
-        dist.all_reduce(self.pending, op=dist.ReduceOp.MAX)
-        return agreed
+        if not logged:
+            return 0
+        flag = torch.full((), self.signum, dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
 
 # -----------------------------------------------------------------------------

@@ -169,3 +169,49 @@ def test_data_preparation_needs_no_torch():
     p = subprocess.run([sys.executable, '-c', "import sys, prepare_fineweb; assert 'torch' not in sys.modules"],
                        cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+
+
+# train.py under torchrun, counting on every rank the calls that make the host wait for the device (on a GPU) by
+# the step they fall in: a call after the k-th step's batches and before the (k+1)-th's belongs to step k
+SYNCS = """
+import atexit, json, os, runpy, sys, traceback
+sys.path.insert(0, os.getcwd())
+import torch, data
+step, counts = [0], {}
+batches = data.ShardLoader.train_batches
+def train_batches(self):
+    step[0] += 1
+    return batches(self)
+data.ShardLoader.train_batches = train_batches
+def counted(name, real):
+    def call(self, *a, **k):
+        frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if 'site-packages' not in f.filename), None)
+        # (model.py checks the token ids only where they are on the CPU, for free: never on a GPU)
+        if self.device.type != 'meta' and not (frame and 'hi >= self.config.vocab_size' in frame.line):
+            where = f'{frame.filename.split("/")[-1]}:{frame.lineno} {frame.line}' if frame else '?'
+            counts.setdefault(str(step[0]), []).append(f'{name} {where}')
+        return real(self, *a, **k)
+    return call
+for name in ('item', 'tolist', 'cpu', 'numpy', '__bool__', '__float__', '__int__'):
+    setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+@atexit.register
+def write():
+    with open(os.path.join(os.environ['SYNC_DIR'], f"rank{os.environ['RANK']}.json"), 'w') as f:
+        json.dump(counts, f)
+sys.argv = ['train.py'] + sys.argv[2:]
+runpy.run_path('train.py', run_name='__main__')
+"""
+
+
+@pytest.mark.parametrize('parallel', ['ddp', 'fsdp'])
+def test_no_host_device_sync_on_a_step_that_does_not_log(corpus, tmp_path, parallel):
+    """On a GPU each of these calls waits for all the work queued before it: on a step that does not log, none."""
+    p, records = torchrun(corpus, tmp_path / 'run', '--max_iters=8', '--lr_decay_iters=8', '--eval_interval=8',
+                          '--log_interval=4', '--gradient_accumulation_steps=2', f'--fsdp={parallel == "fsdp"}',
+                          env={'SYNC_DIR': str(tmp_path)}, wrapper=SYNCS)
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f'rank{rank}.json').read_text())
+        quiet = {k: v for k, v in counts.items() if int(k) in (2, 3, 5, 6, 7)}   # 1: the first step's line
+        assert quiet == {}, (rank, quiet)
+        assert counts.get('4') and counts.get('8'), counts     # (the count sees the logging steps' reads)
+    assert [r['step'] for r in records if 'loss' in r] == [4, 8]

@@ -37,8 +37,9 @@ from checks import InvalidValue, check_settings, is_count, is_number, print_mist
 from checkpoints import load_hf
 from data import ShardLoader, load_meta
 from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
-from runs import (CheckpointWriteError, Guard, Stop, append_log, check_resume, clear, differences, init_distributed,
-                  latest, lock, open_log, provenance, read_state, resume, save_checkpoint, start_or_resume)
+from runs import (CheckpointWriteError, Guard, Stop, append_log, busy_cores, check_resume, clear, differences,
+                  init_distributed, latest, lock, open_log, provenance, read_state, resume, save_checkpoint,
+                  start_or_resume)
 
 # -----------------------------------------------------------------------------
 # default config values: the paper's 220M standard run
@@ -400,6 +401,15 @@ def log_step(lossf, lr, grad_norm, dt, stats):
           f"mem {mem:.2f} GiB{routing_summary(routing)}")
     log(dict(step=iter_num, loss=lossf, lr=lr, grad_norm=grad_norm, tok_per_s=tok_s, mfu=mfu, mem_gib=mem,
              routing=routing))
+    busy_cores_once()
+
+
+def busy_cores_once():
+    """On a CPU, at the start and at each logged step until it has been said once: are the cores busy?"""
+    global said_busy
+    if device_type == 'cpu' and not said_busy and (note := busy_cores(torch.get_num_threads())):
+        print(note, flush=True)
+        said_busy = True
 
 
 # -----------------------------------------------------------------------------
@@ -408,6 +418,8 @@ t0, steps_timed = time.time(), 0
 if device_type == 'cuda':
     torch.cuda.reset_peak_memory_stats()
 stop, signum = Stop(device, master), 0     # SIGTERM / SIGINT: finish the step, checkpoint, exit (runs.py)
+said_busy = not master
+busy_cores_once()
 if compile and master:
     print("torch.compile: the first evaluation and the first training step compile the model (minutes when deep)")
 while True:
@@ -431,7 +443,7 @@ while True:
         t0, steps_timed = time.time(), 0  # don't count evaluation time as training time
     if iter_num >= max_iters or eval_only:
         break
-    if signum := stop.requested():
+    if signum := stop.requested(logged=iter_num % log_interval == 0 or iter_num == start_iter + 1):
         break
 
     lr = get_lr(iter_num)
