@@ -248,10 +248,27 @@ def summarize(rows, std, peak):
         per_round = [t_std / t for t_std, t in zip(std['times'], row['times'])]
         row['tok_per_s_ratio'] = statistics.median(per_round)
         row['tok_per_s_ratio_range'] = [min(per_round), max(per_round)]
+        row['round_spread'] = max(row['times']) / min(row['times'])   # 1.0: every round took as long
         row['saved_ratio'] = row['saved_bytes'] / std['saved_bytes']
         row['peak_ratio'] = row['peak_bytes'] / std['peak_bytes'] if row['peak_bytes'] else None
         for k in ('step', 'model', 'optimizer'):
             del row[k]
+
+
+NOISE = 1.25     # a model whose slowest round took this much longer than its fastest: the machine's load changed
+
+
+def noise_warning(rows):
+    """One line when the rounds disagree too much for the table's speeds and ratios to mean anything (another job
+    took the cores for part of the run, say), else None."""
+    noisy = [r for r in rows if r['round_spread'] > NOISE]
+    if not noisy:
+        return None
+    worst = max(noisy, key=lambda r: r['round_spread'])
+    return (f"WARNING: the rounds disagree: {len(noisy)} of {len(rows)} models ran up to {worst['round_spread']:.1f}x "
+            f"slower in one round than in another ({worst['mode']}; over {NOISE}x counts as noise), so this machine's "
+            f"load changed while it ran and these speeds and ratios cannot be trusted. Run again on an idle machine "
+            f"(on a shared CPU, OMP_NUM_THREADS=1 or fewer threads than free cores), or with more --repeats.")
 
 
 def modelled_traffic(modes):
@@ -285,6 +302,8 @@ def print_tables(setup, rows, shapes, traffic, std):
         lo, hi = row['tok_per_s_ratio_range']
         print(f"{name:<22} {row['params'] / 1e6:7.2f}M {row['tok_per_s']:9.0f} {row['tok_per_s_ratio']:8.2f} {lo:4.2f}-{hi:4.2f} {peak_s} "
               f"{row['saved_bytes'] / 2**20:9.1f} {row['saved_ratio']:6.2f} {mfu_s} {row['first_step_s']:10.1f}")
+    if warning := noise_warning(rows):
+        print(warning)
     print("\n# routing traffic per token of a training step, modelled (docs/routing.md): MB read + written")
     print(f"{'mode':<22} {'shape':<20} {'route()':>9} {'keys+mix':>9} {'two-phase':>9} {'route()/two-phase':>17}")
     for shape, (L, d, nb, b) in shapes.items():
@@ -345,6 +364,7 @@ def main():
                  warmup=warmup, repeats=repeats, steps=steps, peak_flops=peak_flops_here(),
                  saved='activations saved for backward, eager, each storage once, parameters excluded',
                  peak='torch.cuda.max_memory_allocated of the mode alone' if device.startswith('cuda') else None)
+    setup['noise'] = noise_warning(rows)     # None: the rounds agree
     shapes, traffic = modelled_traffic(modes)
     # the bound: the schedule each row runs (fast: two-phase, naive: route()) moving its modelled bytes at this
     # device's bandwidth, added to standard's step

@@ -419,3 +419,17 @@ def test_bench_compiles_every_row():
     counts = json.loads(out.stderr.splitlines()[-1])
     assert counts == {'graphs': 9, 'breaks': 0}, counts
     assert 'recompile_limit' not in out.stderr
+
+
+def test_bench_says_when_its_rounds_disagree(monkeypatch):
+    """A table from rounds that disagree (another job took the cores for a while) carries one line saying that its
+    speeds and ratios cannot be trusted (issue 50: standard 185 tok/s, delta_attnres 688, 'paired x' 0.94)."""
+    import runpy
+    monkeypatch.setattr(sys, 'argv', ['bench.py'])
+    bench = runpy.run_path(str(Path(__file__).parent / 'bench.py'), run_name='bench')
+    calm = [dict(mode='standard', round_spread=1.05), dict(mode='delta_attnres', round_spread=1.2)]
+    assert bench['noise_warning'](calm) is None
+    loud = calm + [dict(mode='attnres', round_spread=4.5)]
+    warning = bench['noise_warning'](loud)
+    assert warning.startswith('WARNING: the rounds disagree: 1 of 3 models ran up to 4.5x slower') and \
+        'cannot be trusted' in warning
