@@ -252,7 +252,7 @@ STEP = re.compile(r'step_\d{6}')
 def contents(out_dir):
     """What a run of this repository wrote into out_dir: ([its checkpoint folders, their links `ckpt` and `best`,
     its log and left-over temporary files], [entries that bear those names but are not its own]). A checkpoint is a
-    real step_NNNNNN folder with its state.json and .metadata; `ckpt` and `best` are links to a step_NNNNNN beside
+    real step_NNNNNN folder with its state.json or DCP's .metadata; `ckpt` and `best` are links to a step_NNNNNN beside
     them; log.jsonl is a plain file. Anything else, a user's best/ or step_000100/ folder say, is never deleted or
     replaced: a run refuses to start beside it (its saves would have to replace it)."""
     ours, foreign = [], []
@@ -262,8 +262,9 @@ def contents(out_dir):
         if name in ('ckpt', 'best', 'ckpt.tmp', 'best.tmp'):
             mine = not real and STEP.fullmatch(os.readlink(path)) is not None
         elif STEP.fullmatch(name):
-            mine = real and os.path.isfile(os.path.join(path, 'state.json')) and os.path.isfile(
-                os.path.join(path, '.metadata'))
+            # (one of its two files: a checkpoint, possibly damaged, which read_state names as such)
+            mine = real and (os.path.isfile(os.path.join(path, 'state.json')) or os.path.isfile(
+                os.path.join(path, '.metadata')))
         elif name == 'log.jsonl' or re.fullmatch(r'log\.jsonl\..+\.tmp', name):    # (the second: a rename cut short)
             mine = real and os.path.isfile(path)
         elif re.fullmatch(r'step_\d{6}\.tmp', name):     # a save cut short
@@ -662,9 +663,10 @@ def is_model_config(v):
 
 
 def is_tokenizer(name):
-    """A tokenizer name as prepare_fineweb.py records it: 'byte', 'gpt2' or a local tokenizer.json. A checkpoint
-    that names anything else (a Hub repository, which the loaders would contact, or another file) is refused."""
-    return isinstance(name, str) and (name in ('byte', 'gpt2') or os.path.basename(name) == 'tokenizer.json')
+    """A tokenizer name as prepare_fineweb.py records it: 'byte', 'gpt2' or a local tokenizer file (*.json, read
+    by the tokenizers library as JSON). A checkpoint that names anything else (a Hub repository, which the loaders
+    would contact, or another file such as /etc/passwd) is refused."""
+    return isinstance(name, str) and (name in ('byte', 'gpt2') or name.endswith('.json'))
 
 
 def read_state(path):

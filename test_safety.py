@@ -374,7 +374,7 @@ def test_a_new_run_deletes_nothing_it_did_not_write(corpus, reference, tmp_path)
     (out / 'best' / 'README').write_text('my best results')
     (out / 'step_by_step').mkdir()
     (out / 'step_by_step' / 'notes').write_text('notes')
-    (out / 'step_000100').mkdir()       # named like a checkpoint, but not one (no state.json)
+    (out / 'step_000100').mkdir()       # named like a checkpoint, but not one (neither state.json nor .metadata)
     for extra in ([], ['--overwrite=True'], ['--init_from=auto']):
         p, _ = train(corpus, out, *RUN, *extra, check=False)
         assert p.returncode == 1 and 'Traceback' not in p.stderr

@@ -371,7 +371,7 @@ def test_settings_are_checked_before_any_work(corpus, tmp_path):
                         '--max_new_tokens=0', f'--start=FILE:{tmp_path}/missing.txt', f'--out_dir={tmp_path}'],
                        cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr.splitlines() == [
-        'error: temperature=-0.5: expected >= 0 (0: greedy, always the most likely token)',
+        'error: temperature=-0.5: expected 0 (greedy, always the most likely token) or a number from 1e-4 up',
         'error: top_k=-1: expected >= 0 (0: all tokens)', 'error: num_samples=0: expected >= 1',
         'error: max_new_tokens=0: expected >= 1', f"error: start='FILE:{tmp_path}/missing.txt': expected a prompt, "
         f"or FILE:path of a file"]
