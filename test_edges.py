@@ -85,12 +85,13 @@ def test_a_second_signal_stops_at_once_and_the_last_checkpoint_stays(corpus, tmp
 
 
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(corpus, tmp_path, uninterrupted):
-    # torchrun, 2 gloo ranks; only rank 1 is signalled: both agree (one step later), save their shards, exit 143
+    # torchrun, 2 gloo ranks; only rank 1 is signalled: both agree at the next logged step (log_interval=1: the
+    # signalled step itself), save their shards, exit 143
     out = tmp_path / 'run'
     p, _ = torchrun(corpus, out, *RUN, env=dict(SIGNAL='SIGTERM', SIGNAL_STEP='6', SIGNAL_RANK='1'), check=False,
                     wrapper=SIGNALLER)
     assert p.returncode != 0 and 'exitcode  : 143' in p.stderr, p.stderr[-3000:]
-    assert 'step 7: stopped by SIGTERM' in p.stdout and os.readlink(out / 'ckpt') == 'step_000007'
+    assert 'step 6: stopped by SIGTERM' in p.stdout and os.readlink(out / 'ckpt') == 'step_000006'
     p, records = torchrun(corpus, out, *RUN, '--init_from=auto', wrapper=SIGNALLER,
                           env=dict(SIGNAL='SIGTERM', SIGNAL_STEP='0'))
     assert losses(records) == pytest.approx(losses(uninterrupted), rel=1e-5)
