@@ -18,7 +18,7 @@ RUN = ['--max_iters=9', '--lr_decay_iters=9', '--eval_interval=4', '--gradient_a
 
 # train.py, whose process (SIGNAL_RANK under torchrun) sends itself SIGNAL as its SIGNAL_STEP-th step starts, and
 # with SECOND=1 twice more while it writes the checkpoint that follows: at once (the same event delivered twice,
-# counted once) and 1.5 s later (the user who presses Ctrl-C again)
+# counted once) and 1.5 s later (the user who presses Ctrl-C again); with TO_AGENT=1 it signals its parent, torchrun
 SIGNALLER = """
 import os, runpy, signal, sys, time
 sys.path.insert(0, os.getcwd())
@@ -29,7 +29,7 @@ step, write = data.ShardLoader.train_batches, fs.FileSystemWriter.write_data
 def train_batches(self):
     calls[0] += 1
     if me and calls[0] == int(os.environ['SIGNAL_STEP']):
-        os.kill(os.getpid(), sig)
+        os.kill(os.getppid() if os.environ.get('TO_AGENT') else os.getpid(), sig)
     return step(self)
 def write_data(self, plan, planner):
     if me and calls[0] >= int(os.environ['SIGNAL_STEP']) and os.environ.get('SECOND'):
@@ -96,6 +96,24 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(corpus, tmp_path
                           env=dict(SIGNAL='SIGTERM', SIGNAL_STEP='0'))
     assert losses(records) == pytest.approx(losses(uninterrupted), rel=1e-5)
     assert val_losses(records) == pytest.approx(val_losses(uninterrupted), rel=1e-5)
+
+
+def test_a_sigterm_to_torchrun_stops_every_rank_with_a_checkpoint(corpus, tmp_path, uninterrupted):
+    # what `scancel` or `kill <torchrun's pid>` does: torchrun forwards SIGTERM to every worker; they finish the step
+    # in progress, agree on the stop step, save and exit 143. torchrun itself then ends with its own
+    # SignalException traceback and exit status 1 (torch's launcher, not train.py: docs/training.md says so)
+    out = tmp_path / 'run'
+    p, _ = torchrun(corpus, out, *RUN, env=dict(SIGNAL='SIGTERM', SIGNAL_STEP='6', SIGNAL_RANK='0', TO_AGENT='1'),
+                    check=False, wrapper=SIGNALLER)
+    assert p.returncode == 1 and 'SignalException: Process' in p.stderr and 'got signal: 15' in p.stderr
+    stops = [line for line in p.stdout.splitlines() if 'stopped by SIGTERM' in line]
+    assert len(stops) == 1, p.stdout[-3000:] + p.stderr[-3000:]     # rank 0 speaks for both
+    step = int(stops[0].split(':')[0].split()[1])
+    assert 6 <= step < 9 and os.readlink(out / 'ckpt') == f'step_{step:06d}'
+    assert read_state(out / 'ckpt')['iter_num'] == step
+    p, records = torchrun(corpus, out, *RUN, '--init_from=auto', wrapper=SIGNALLER,
+                          env=dict(SIGNAL='SIGTERM', SIGNAL_STEP='0'))
+    assert losses(records) == pytest.approx(losses(uninterrupted), rel=1e-5)
 
 
 # -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ Fine-tune a pretrained Qwen3 (a local Hugging Face directory) converted to any r
 Settings are the globals below; a config file and --key=value arguments override them (configurator.py).
 """
 
+import inspect
 import json
 import math
 import os
@@ -289,8 +290,11 @@ run_info = provenance(world_size, device)
 if compile and not (compile_regional or fsdp):
     model = torch.compile(model)
 if ddp and not fsdp:
-    # broadcast_buffers=False: the only buffers are the RoPE tables, constants that need no re-sending every forward
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
+    # the only buffers are the RoPE tables, constants that need no re-sending every forward (newer torch names
+    # the switch forward_sync_buffers and warns about the older broadcast_buffers)
+    no_resend = ('forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(DDP).parameters
+                 else 'broadcast_buffers')
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None, **{no_resend: False})
 
 # Every setting, the data, the model and the checkpoint are checked: only now is out_dir changed
 if master:  # an earlier run's checkpoints and log, with overwrite=True (runs.start_or_resume)
