@@ -46,12 +46,7 @@ import sys
 import tempfile
 import time
 
-import torch
-from tqdm import tqdm
-
 from checks import InvalidValue, check_settings, print_mistakes
-from fast_routing import group_passes
-from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
 
 # -----------------------------------------------------------------------------
 # settings; defaults are the CPU target shape (d=256, L=12, T=256, batch 4)
@@ -74,9 +69,9 @@ repeats = 5                 # timed rounds; the median is reported
 steps = 2                   # training steps per mode per round
 learning_rate = 6e-4
 weight_decay = 0.1
-device = 'cuda' if torch.cuda.is_available() else 'cpu'
-dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'  # autocast dtype; 'float32' = none
-compile = torch.cuda.is_available()     # torch.compile each model
+device = None               # None: 'cuda' where torch sees a GPU, else 'cpu'
+dtype = None                # autocast dtype, 'float32' = none; None: 'bfloat16' on a GPU that has it, else 'float32'
+compile = None              # torch.compile each model; None: on a GPU
 compile_regional = False    # with compile: each layer's attention and MLP, and the routing math apart (train.py's compile_regional)
 cold_compile = True         # with compile: inductor's on-disk caches off, so '1st step s' is a cold compile
 peak_flops = 0.0            # device peak FLOP/s for MFU; 0 = look the device up in model.PEAK_FLOPS
@@ -90,6 +85,17 @@ sys.argv = [('--json=True' if a == '--json' else a) for a in sys.argv]
 with contextlib.redirect_stdout(sys.stderr if any(a == '--json=True' for a in sys.argv) else sys.stdout):
     exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())
 # -----------------------------------------------------------------------------
+# torch and the modules that import it load only now, so that --help (configurator.py) answers at once
+import torch
+from tqdm import tqdm
+
+from fast_routing import group_passes
+from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
+
+gpu = torch.cuda.is_available()     # None: what suits this machine
+device = ('cuda' if gpu else 'cpu') if device is None else device
+dtype = ('bfloat16' if gpu and torch.cuda.is_bf16_supported() else 'float32') if dtype is None else dtype
+compile = gpu if compile is None else compile
 
 # -----------------------------------------------------------------------------
 # The routing's memory traffic, modelled per token of one training step (forward + backward), in passes over a
@@ -330,6 +336,9 @@ def main():
         'routing': (routing in ('fast', 'naive', 'both'), "'fast', 'naive' or 'both'"),
         'dtype': (dtype in ('float32', 'bfloat16', 'float16'), "'float32', 'bfloat16' or 'float16'"),
         'warmup': (warmup >= 1, 'at least 1 (the first step is timed: with compile, the compile time)'),
+        'compile': (isinstance(compile, bool), 'True or False (None: True on a GPU)'),
+        'device': (isinstance(device, str) and (device == 'cpu' or (device.startswith('cuda') and gpu)),
+                   "'cpu', or 'cuda' / 'cuda:N' on a machine with CUDA"),
     })
     modes = modes if 'standard' in modes else ['standard'] + modes        # the reference of every ratio
     runs = [(m, r) for m in modes for r in (('fast', 'naive') if routing == 'both' else (routing,))

@@ -18,12 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from checks import InvalidValue, check_settings, print_mistakes
-from checkpoints import load_model
-from tokenizer import get_tokenizer
-from model import KVCache
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'        # 'resume' (out_dir/ckpt, from train.py) or a Hugging Face-style checkpoint directory
@@ -37,10 +32,19 @@ max_new_tokens = 200
 temperature = 0.8           # 1.0 = the model's distribution; lower is more conservative; 0 = greedy
 top_k = 200                 # sample among the k most likely tokens only (0: all)
 seed = 1337
-device = 'cuda' if torch.cuda.is_available() else 'cpu'
-dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'
+device = None               # None: 'cuda' where torch sees a GPU, else 'cpu'
+dtype = None                # None: 'bfloat16' on a GPU, else 'float32'
 use_kv_cache = True         # False recomputes the whole sequence for every new token (same tokens, slower)
 # -----------------------------------------------------------------------------
+if __name__ == '__main__':  # the overrides come before torch loads, so that --help answers at once
+    print_mistakes()    # a mistake in a setting or a file: one line (checks.py); a bug: its traceback
+    exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())  # overrides: command line, config file
+
+import torch
+
+from checkpoints import load_model
+from model import KVCache
+from tokenizer import get_tokenizer
 
 
 @torch.no_grad()
@@ -71,8 +75,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, n_vocab=None,
 
 
 if __name__ == '__main__':
-    print_mistakes()    # a mistake in a setting or a file: one line (checks.py); a bug: its traceback
-    exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())  # overrides: command line, config file
+    gpu = torch.cuda.is_available()     # None: what suits this machine
+    device = ('cuda' if gpu else 'cpu') if device is None else device
+    dtype = ('bfloat16' if gpu else 'float32') if dtype is None else dtype
     check_settings(globals(), {  # setting: (holds?, what is expected); all checked before the model is loaded
         'temperature': (temperature == 0 or 1e-4 <= temperature < math.inf,
                         '0 (greedy, always the most likely token) or a number from 1e-4 up'),
@@ -81,7 +86,7 @@ if __name__ == '__main__':
         'max_new_tokens': (max_new_tokens >= 1, '>= 1'),
         'dtype': (dtype in ('float32', 'bfloat16', 'float16'), "'float32', 'bfloat16' or 'float16'"),
         'start': (not start.startswith('FILE:') or os.path.isfile(start[5:]), 'a prompt, or FILE:path of a file'),
-        'device': (device == 'cpu' or (device.startswith('cuda') and torch.cuda.is_available()),
+        'device': (isinstance(device, str) and (device == 'cpu' or (device.startswith('cuda') and gpu)),
                    "'cpu', or 'cuda' / 'cuda:N' on a machine with CUDA"),
     })
     torch.manual_seed(seed)

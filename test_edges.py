@@ -205,3 +205,23 @@ def test_help_lists_the_settings(script):
                 'prepare_fineweb.py': ['--demo']}[script]
     for text in expected:
         assert text in p.stdout, p.stdout
+
+
+HELP_WITHOUT_TORCH = """
+import contextlib, io, runpy, sys
+sys.argv = [sys.argv[1], '--help']
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        runpy.run_path(sys.argv[0], run_name='__main__')
+    except SystemExit:
+        pass
+print('torch' in sys.modules)
+"""
+
+
+@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'prepare_fineweb.py'])
+def test_help_answers_before_torch_loads(script):
+    # importing torch takes seconds, tens of seconds on a busy machine; the settings need none of it
+    p = subprocess.run([sys.executable, '-c', HELP_WITHOUT_TORCH, script], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and p.stdout == 'False\n', p.stdout + p.stderr

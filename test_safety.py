@@ -496,7 +496,9 @@ def test_prepare_fineweb_keeps_a_folder_of_the_users_bin_files(tmp_path):
 @pytest.mark.parametrize('setting,says', [('--seed=-1', 'seed=-1: expected an integer >= 0'),
                                           ('--out_dir=', "out_dir='': expected a folder"),
                                           ('--rms_norm_eps=-1', 'rms_norm_eps must be a positive, finite number'),
-                                          ('--rope_theta=1e999', 'rope_theta must be a positive, finite number')])
+                                          ('--rope_theta=1e999', 'rope_theta must be a positive, finite number'),
+                                          ('--compile=1', 'compile=1: expected True or False'),
+                                          ('--device=gpu', "device='gpu': expected 'cpu', or 'cuda'")])
 def test_settings_refused_before_any_work(corpus, tmp_path, setting, says):
     p, _ = train(corpus, tmp_path / 'run', *RUN, setting, check=False)
     assert p.returncode == 1 and says in p.stderr and 'Traceback' not in p.stderr, p.stderr[-2000:]

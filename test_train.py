@@ -491,8 +491,8 @@ def test_configurator_overrides_and_errors(monkeypatch, tmp_path):
         configure(monkeypatch, '--lerning_rate=1e-3')
     with pytest.raises(ValueError, match="'max_iters' .* must be int.*got float 1.5"):
         configure(monkeypatch, '--max_iters=1.5')
-    with pytest.raises(ValueError, match="'compile' .* must be bool"):
-        configure(monkeypatch, '--compile=1')
+    with pytest.raises(ValueError, match="'final_eval' .* must be bool"):
+        configure(monkeypatch, '--final_eval=1')
     with pytest.raises(ValueError, match='--key=value'):
         configure(monkeypatch, '--compile')
     bad = tmp_path / 'bad.py'

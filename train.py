@@ -29,18 +29,7 @@ from contextlib import nullcontext
 from dataclasses import asdict
 from datetime import timedelta
 
-import numpy as np
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from checks import InvalidValue, check_settings, is_count, is_number, print_mistakes
-from checkpoints import load_hf
-from data import ShardLoader, load_meta
-from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
-from runs import (CheckpointWriteError, Guard, Stop, append_log, busy_cores, check_resume, clear, differences,
-                  init_distributed, latest, lock, open_log, provenance, read_state, resume, save_checkpoint,
-                  start_or_resume)
 
 # -----------------------------------------------------------------------------
 # default config values: the paper's 220M standard run
@@ -100,10 +89,10 @@ warmup_iters = 1000
 lr_decay_iters = 10000
 min_lr = 6e-5
 # system
-device = 'cuda' if torch.cuda.is_available() else 'cpu'
-dtype = 'bfloat16' if torch.cuda.is_available() else 'float32'  # 'bfloat16' = autocast, fp32 master weights
+device = None               # None: 'cuda' where torch sees a GPU, else 'cpu'
+dtype = None                # 'bfloat16' = autocast, fp32 master weights; None: 'bfloat16' on a GPU, else 'float32'
 param_dtype = 'float32'     # 'bfloat16': the weights and AdamW state themselves in BF16, as the authors' code trains
-compile = torch.cuda.is_available()
+compile = None              # torch.compile the model; None: on a GPU
 compile_regional = False    # compile each layer's attention and MLP (one graph each for all layers) and the routing math
                             # (a few graphs for all sites): compile time nearly flat in depth, instead of GPT.forward
                             # whole (always with fsdp)
@@ -117,6 +106,24 @@ ddp_timeout_s = 1800        # DDP/FSDP: a rank that waits this long on the other
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))]
 print_mistakes()    # a mistake in a setting or a file: one line (checks.py); a bug: its traceback
 exec(open(os.path.join(os.path.dirname(__file__), 'configurator.py')).read())  # overrides: command line, config file
+# torch and the modules that import it load only now, so that --help (configurator.py) answers at once
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from checkpoints import load_hf
+from data import ShardLoader, load_meta
+from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
+from runs import (CheckpointWriteError, Guard, Stop, append_log, busy_cores, check_resume, clear, differences,
+                  init_distributed, latest, lock, open_log, provenance, read_state, resume, save_checkpoint,
+                  start_or_resume)
+
+# None: what suits this machine
+gpu = torch.cuda.is_available()
+device = ('cuda' if gpu else 'cpu') if device is None else device
+dtype = ('bfloat16' if gpu else 'float32') if dtype is None else dtype
+compile = gpu if compile is None else compile
 config = {k: globals()[k] for k in config_keys}  # the full config, logged and saved in checkpoints
 # -----------------------------------------------------------------------------
 
@@ -158,9 +165,9 @@ check_settings(globals(), {  # setting: (holds?, what is expected); checks.py
     'divergence_factor': (divergence_factor == 0 or divergence_factor > 1, '> 1, or 0 to stop only on non-finite losses'),
     'ddp_timeout_s': (ddp_timeout_s > 0, '> 0 seconds'),
     'peak_flops': (peak_flops >= 0, '>= 0 FLOP/s'),
-    'device': (device == 'cpu' or (device.startswith('cuda') and torch.cuda.is_available()),
-               "'cpu', or 'cuda' / 'cuda:N' on a machine with CUDA" + ('' if torch.cuda.is_available() else
-                                                                       ' (this one has none)')),
+    'device': (isinstance(device, str) and (device == 'cpu' or (device.startswith('cuda') and gpu)),
+               "'cpu', or 'cuda' / 'cuda:N' on a machine with CUDA" + ('' if gpu else ' (this one has none)')),
+    'compile': (isinstance(compile, bool), 'True or False (None: True on a GPU)'),
 })
 # one out_dir, one run: locked for this run's life, and only a resume continues what is there (runs.py)
 out_dir_lock = lock(out_dir) if int(os.environ.get('RANK', 0)) == 0 else None
