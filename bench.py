@@ -254,14 +254,22 @@ def summarize(rows, std, peak):
         per_round = [t_std / t for t_std, t in zip(std['times'], row['times'])]
         row['tok_per_s_ratio'] = statistics.median(per_round)
         row['tok_per_s_ratio_range'] = [min(per_round), max(per_round)]
-        row['round_spread'] = max(row['times']) / min(row['times'])   # 1.0: every round took as long
+        row['round_spread'] = round_spread(row['times'], std['times'])
         row['saved_ratio'] = row['saved_bytes'] / std['saved_bytes']
         row['peak_ratio'] = row['peak_bytes'] / std['peak_bytes'] if row['peak_bytes'] else None
         for k in ('step', 'model', 'optimizer'):
             del row[k]
 
 
-NOISE = 1.25     # a model whose slowest round took this much longer than its fastest: the machine's load changed
+NOISE = 1.25     # a model whose rounds disagree by this factor or more: the machine's load changed
+
+
+def round_spread(times, std_times):
+    """How much a model's rounds disagree, 1.0 when they agree: its slowest round / its fastest, or the same for its
+    time relative to standard's in the same round, whichever is larger (a load that came and went shows in the first;
+    one that hit some models' turns in a round and not others', in the second)."""
+    ratios = [t / t_std for t_std, t in zip(std_times, times)]
+    return max(max(times) / min(times), max(ratios) / min(ratios))
 
 
 def noise_warning(rows):
@@ -272,7 +280,8 @@ def noise_warning(rows):
         return None
     worst = max(noisy, key=lambda r: r['round_spread'])
     return (f"WARNING: the rounds disagree: {len(noisy)} of {len(rows)} models ran up to {worst['round_spread']:.1f}x "
-            f"slower in one round than in another ({worst['mode']}; over {NOISE}x counts as noise), so this machine's "
+            f"slower in one round than in another, alone or against standard ({worst['mode']}; over {NOISE}x counts "
+            f"as noise), so this machine's "
             f"load changed while it ran and these speeds and ratios cannot be trusted. Run again on an idle machine "
             f"(on a shared CPU, OMP_NUM_THREADS=1 or fewer threads than free cores), or with more --repeats.")
 

@@ -433,3 +433,6 @@ def test_bench_says_when_its_rounds_disagree(monkeypatch):
     warning = bench['noise_warning'](loud)
     assert warning.startswith('WARNING: the rounds disagree: 1 of 3 models ran up to 4.5x slower') and \
         'cannot be trusted' in warning
+    # steady times, but the load hit the mode's turn in one round and standard's in the others
+    assert bench['round_spread']([1.2, 1.0, 1.2], [1.0, 1.2, 1.0]) == pytest.approx(1.44)
+    assert bench['round_spread']([2.0, 2.1, 2.0], [1.0, 1.0, 1.05]) == pytest.approx(1.05 ** 2)
