@@ -49,10 +49,11 @@ import time
 from checks import InvalidValue, check_settings, print_mistakes
 
 # -----------------------------------------------------------------------------
-# settings; defaults are the issue's CPU target shape (d=256, L=12, T=256, batch 4)
+# settings; the defaults are a shape a 2-core CPU measures in minutes (d=256, L=12, T=256, batch 4)
 residual = 'all'            # 'all', one of model.RESIDUAL_MODES, or several joined by commas (in that order; 'standard'
                             # is added first where missing)
-routing = 'fast'            # 'fast' (model default), 'naive' (the plain route(): stack per site) or 'both'
+routing = 'fast'            # 'fast' (fast_routing.py, the model's default), 'naive' (model.route() at every site:
+                            # the rule as written) or 'both'
 n_layer = 12
 n_head = 4
 n_kv_head = 2
@@ -90,7 +91,7 @@ import torch
 from tqdm import tqdm
 
 from fast_routing import group_passes
-from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
+from model import GPT, GPTConfig, RESIDUAL_MODES, check_fast_routing, device_peak_flops
 
 gpu = torch.cuda.is_available()     # None: what suits this machine
 device = ('cuda' if gpu else 'cpu') if device is None else device
@@ -118,11 +119,11 @@ TRAFFIC = {
 
 def routing_traffic(model, bytes_per_element):
     """{schedule: bytes per token} of the model's routing for route(), keys + mix and two-phase, from its schedule of
-    sites (GPT.sites: each site's completed sources n, and open = 1 if the open block is a source too) and its
+    sites (GPT.sites: each site's completed sources n, and open_block if the open block is a source too) and its
     two-phase groups (GPT.routing_groups; None: the block modes, whose two-phase column is keys + mix)."""
     sites = list(model.sites.values())
     n_sources = sites[-1].n
-    passes = {name: sum(t['site'](s.n + s.open) for s in sites) + t['source'] * n_sources for name, t in TRAFFIC.items()}
+    passes = {name: sum(t['site'](s.n + s.open_block) for s in sites) + t['source'] * n_sources for name, t in TRAFFIC.items()}
     passes['two_phase'] = passes['keys_mix']
     if model.routing_groups is not None:
         grouped = [sites[first:first + size] for first, size in model.routing_groups]
@@ -196,6 +197,8 @@ def build(mode, rt, x, y, ctx):
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
     model.fast_routing = rt == 'fast'
+    if model.fast_routing:      # (before anything is measured; once per mode, about 0.1 s)
+        check_fast_routing(cfg)
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (0.9, 0.95))
     saved = saved_activation_bytes(model, x, y, ctx)
     fwd = torch.compile(model) if compile and not compile_regional else model

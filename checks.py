@@ -43,7 +43,7 @@ def print_mistakes():
     """For a script run as a program: an uncaught Mistake prints as `error: ...` lines (exit status 1, as for any
     uncaught exception); every other exception keeps its traceback."""
     def hook(kind, e, tb):
-        if issubclass(kind, Mistake):
+        if issubclass(kind, Mistake) or getattr(kind, 'one_line', False):   # (model.FastRoutingMismatch too)
             print('\n'.join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
         else:
             sys.__excepthook__(kind, e, tb)

@@ -1,8 +1,9 @@
 """
-The routing's speed machinery: what model.py's Routing calls to route every site with the same numbers as the
-routing rule, model.route(), at a fraction of its memory and memory traffic. A reader learning the method may skip
-this file: `GPT.fast_routing = False` routes every site with route() itself, and test_bench.py checks that both
-agree in values and gradients (eager, compiled, BF16, DDP / FSDP2). docs/routing.md derives what is here.
+The routing's speed machinery: what GPT.forward's loop calls in place of the routing rule, model.route(), for the
+same sublayer input at a fraction of its memory and memory traffic. A reader learning the method may skip this
+file: `fast_routing = False` routes every site with route() itself. model.check_fast_routing compares the two before
+a process first uses this path (an edited route() is refused, not ignored), and test_bench.py checks that both agree
+in values and gradients (eager, compiled, BF16, DDP / FSDP2). docs/routing.md derives what is here.
 
 1. `keys` and `mix`: each source's logits at every later site computed once, when the source is completed, and a
    site only mixes; activation memory linear in depth;
@@ -130,7 +131,7 @@ def two_phase_groups(n):
 def two_phase_schedule(sites):
     """[(first site, number of sites)] of each two-phase group, over the sites (model.Site, in forward order) that mix
     more than one source: a site that sees E alone has nothing to share, and routes by keys + mix."""
-    shared = [s for s in sites if s.n + s.open > 1]
+    shared = [s for s in sites if s.n + s.open_block > 1]
     groups, first = [], shared[0].index if shared else 0
     for size in two_phase_groups([s.n for s in shared]):
         groups.append((first, size))
@@ -228,7 +229,7 @@ class _Merge(torch.autograd.Function):
 
 
 class RoutingOps:
-    """The routing's tensor math, which the Functions above and Routing call: as written (EAGER, and inside a model
+    """The routing's tensor math, which the Functions above and FastRouting call: as written (EAGER, and inside a model
     compiled whole, where it fuses with its neighbours), or each function compiled on its own with dynamic shapes
     (GPT.compile_regional): then the numbers of sources and sites are symbols in the graphs, not constants, and
     however deep the model its routing sites share a few graphs (one per number of sources a site merges in phase 2
@@ -256,39 +257,53 @@ EAGER = RoutingOps()
 
 
 class FastRouting:
-    """The fast path's state for one forward pass, which model.Routing holds and calls:
+    """The fast path's state for one forward pass, which GPT.forward's loop calls at each site:
         keys     [(first site, keys(source))] of each completed source: its logits at every later site
         phase1   two-phase routing: (number of sources, h, o, lse) of the open group
         next     the site after the last one routed: a source completed now is read from there on
+        seen     how many of the loop's sources have their keys
     sites: [(proj, norm, gate)] of every routing site in forward order (their u = w * g, for the keys); groups (the
     sublayer modes): route in two phases, in these groups of sites [(first site, size)] (two_phase_schedule); ops: the
-    routing math (EAGER, or compiled once for every site: GPT.compile_regional)."""
+    routing math (EAGER, or compiled once for every site: GPT.compile_regional); record(site, alpha): called with
+    each site's weights (for routing_stats), or None."""
 
-    def __init__(self, sites, eps, groups=None, ops=EAGER):
-        self.ops, self.eps, self.keys, self.phase1, self.next = ops, eps, [], None, 0
+    def __init__(self, sites, eps, groups=None, ops=EAGER, record=None):
+        self.ops, self.eps, self.keys, self.phase1, self.next, self.seen = ops, eps, [], None, 0, 0
+        self.record = record
         self.U = torch.stack([p.weight[0] * n.weight for p, n, _ in sites]) if sites else None
         self.gates = [g for _, _, g in sites]
         self.group = {k: (first, size) for first, size in groups or [] for k in range(first, first + size)}
 
-    def add(self, s):
-        """A source completed now: its logits at every later site."""
-        if self.U is not None and self.next < len(self.U):     # (a source no later site reads needs no keys)
-            # (contiguous: a slice's offset would be one more shape for the compiled ops to specialise on)
-            self.keys.append((self.next, keys(s, self.U[self.next:].contiguous(), self.eps, self.ops)))
+    def see(self, sources):
+        """The sources completed since the last call: their logits at every site from self.next on."""
+        for s in sources[self.seen:]:
+            if self.U is not None and self.next < len(self.U):     # (a source no later site reads needs no keys)
+                # (contiguous: a slice's offset would be one more shape for the compiled ops to specialise on)
+                self.keys.append((self.next, keys(s, self.U[self.next:].contiguous(), self.eps, self.ops)))
+        self.seen = len(sources)
 
-    def route(self, k, sources, block, h, gate):
-        """Site k's sublayer input, as model.Routing.route defines it, and its weights (None: see weights)."""
+    def route(self, k, sources, block=None, add_to=None, gate=None):
+        """Site k's sublayer input, as GPT.forward's loop computes it with route(): over the completed sources and the
+        open block (None: none), x = sum_i alpha_i s_i, or with add_to=h, x = h + gate * sum_i alpha_i s_i."""
+        self.next = k
+        self.see(sources)
         self.next = k + 1
         if k in self.group:
-            return self.two_phase(k, sources, h, gate), None
-        srcs = sources + ([] if block is None else [block])
+            x = self.two_phase(k, sources, add_to, gate)
+            if self.record:
+                with torch.no_grad():
+                    self.record(k, self.weights(k))
+            return x
+        h, srcs = add_to, sources + ([] if block is None else [block])
         logits = [z[..., k - first] for first, z in self.keys]
         if block is not None:      # the open block changes at every site: its logit here only
             logits.append(keys(block, self.U[k:k + 1], self.eps, self.ops)[..., 0])
         out, alpha = self.ops.mix(torch.stack(logits), srcs)
         out = out.to(torch.get_autocast_dtype(out.device.type) if torch.is_autocast_enabled(out.device.type)
                      else _promoted(srcs))                                          # route()'s dtype
-        return out if h is None else h + (out if gate is None else gate * out), alpha
+        if self.record:
+            self.record(k, alpha)
+        return out if h is None else h + (out if gate is None else gate * out)
 
     def weights(self, k):
         """Site k's weights over all of its sources (two-phase routing never forms them), for the statistics."""

@@ -3,20 +3,20 @@ A Qwen3-style decoder with five residual modes: the standard residual stream, Ki
 Residuals (Full and Block AttnRes, arXiv 2603.15031) and Delta Attention Residuals (Delta AttnRes and
 Delta Block, arXiv 2605.18855). One file, read top to bottom:
 
-1. the routing rule (`route`), the papers' core, in a few lines, and `Routing`, the state a forward pass
-   routes with: its sources and its verbs (start, route a site, a sublayer done); `OfficialRouting`, the
-   bookkeeping of the authors' code (variant='official'), in a few lines of its own; `routing_schedule`, the
-   routing sites in forward order (GPT.sites), which everything that depends on the sites reads;
+1. the routing rule (`route`), the papers' core, in a few lines; when a source is complete (`closes_block`,
+   `opens_official_source`), and the routing sites in forward order that this rule gives (`routing_schedule`);
 2. the Qwen3 building blocks (RoPE, grouped-query attention with q/k norms, SwiGLU MLP);
 3. `GPT.forward`, where the five modes are two switches on one loop:
       which sources are routed   (every sublayer's output, or per-block sums), and
       how the routed mix is used (it REPLACES the sublayer input, or is ADDED to the residual stream);
-   the loop is the same for every mode and variant: routing.route before a sublayer, routing.done after it;
-4. the optimizer and MFU helpers.
-The speed machinery is in fast_routing.py, which Routing calls: the same numbers as route() with activation memory
-linear in depth and each source read once per group of sites. A reader may skip it; `GPT.fast_routing = False`
-routes with route() alone. model.py and fast_routing.py import nothing else of this repo (exported directories
-carry both); Hugging Face checkpoints in and out: checkpoints.py.
+   `GPT.official_loop` beside it: the authors' code's bookkeeping for the Delta modes (variant='official');
+4. the optimizer and MFU helpers; `check_fast_routing`.
+The speed machinery is in fast_routing.py: the same numbers as route() with activation memory linear in depth and
+each source read once per group of sites. A reader may skip it: `fast_routing = False` (train.py, sample.py; the
+attribute GPT.fast_routing) routes with route() alone, and where the fast path runs it has first been checked
+against route() (check_fast_routing), so an edited route() is followed or refused, never ignored. model.py and
+fast_routing.py import nothing else of this repo (exported directories carry both); Hugging Face checkpoints in
+and out: checkpoints.py.
 """
 
 import math
@@ -126,117 +126,56 @@ def routing_stats(alpha):
     }
 
 
-class Routing:
-    """The routing state of one forward pass, passed explicitly through GPT.forward's loop:
-        sources    the completed sources, in order ([E, v_0, v_1, ...] or [E, b_1, b_2, ...])
-        block      the block modes' open block: the running sum of its sublayer outputs, or None
-        last       the last sublayer's output (i, kind, v), which joins them when the next site routes
-    and the three verbs the loop calls in every mode:
-        start(E)                          the embedding is the first source
-        route(site, proj, norm, h, gate)  this site's sublayer input (site: a Site of GPT.sites)
-        done(i, kind, v, h)               sublayer (i, kind) read h and returned v: v is a source for every later
-                                          site (sublayer modes), or joins the open block, which is a source once
-                                          the block is complete (block modes)
-    fast: a fast_routing.FastRouting for these sites, which computes the same numbers with less memory and traffic,
-    or None: route() itself at every site. stats: a dict to fill with each site's routing_stats, or None."""
+# When a source is complete: the one rule that GPT.forward's loops follow and that routing_schedule counts.
+#   sublayer modes: every sublayer's output v is a source as soon as the sublayer has run;
+#   block modes:    the open block sums its sublayers' outputs and is a source once its last MLP has run
+#                   (the model's last block stays open: only the final site, if any, reads it);
+#   official:       (variant='official', the Delta modes) the stream a block's first attention read becomes a source
+#                   after that attention, as h minus the previous source; Delta AttnRes counts as one block of all
+#                   layers, and also completes every sublayer's output.
 
-    def __init__(self, config, fast=None, stats=None):
-        self.granularity, self.n_layer, self.lpb = RESIDUAL_MODES[config.residual][0], config.n_layer, config.layers_per_block
-        self.sources, self.block, self.last = [], None, None
-        self.fast, self.stats = fast, stats
-
-    def complete(self, s):
-        self.sources.append(s)
-        if self.fast is not None:
-            self.fast.add(s)
-
-    def start(self, E):
-        self.complete(E)
-
-    def done(self, i, kind, v, h):
-        self.last = (i, kind, v)
-
-    def _take_last(self):
-        """The last sublayer's output joins the sources (or the open block) before the next site routes: after the
-        loop's h <- h + v, the order of operations the model has always had (its gradients stay the same bits)."""
-        if self.last is None:
-            return
-        (i, kind, v), self.last = self.last, None
-        if self.granularity == 'sublayer':
-            self.complete(v)
-        else:
-            self.block = v if self.block is None else self.block + v        # = h(now) - h(block start) in Delta Block
-            if kind == 'mlp' and (i + 1) % self.lpb == 0 and i + 1 < self.n_layer:
-                self.complete(self.block)                                   # the block is complete
-                self.block = None
-
-    def mixes(self):
-        """What the next site mixes: the completed sources, and the open block (None: no open block)."""
-        self._take_last()
-        return self.sources, self.block
-
-    def route(self, site, proj, norm, h=None, gate=None):
-        """The site's sublayer input: the routed mix (replace: h=None), or h + gate * mix (add; gate None: 1)."""
-        sources, block = self.mixes()
-        if self.fast is not None:
-            x, alpha = self.fast.route(site.index, sources, block, h, gate)
-        else:
-            out, alpha = route(sources + ([] if block is None else [block]), proj, norm)
-            x = out if h is None else h + (out if gate is None else gate * out)
-        if self.stats is not None:
-            with torch.no_grad():
-                self.stats[site.name] = routing_stats(self.fast.weights(site.index) if alpha is None else alpha)
-        return x
+def closes_block(config, i, kind):
+    """Block modes: does sublayer (layer i, 'attn' or 'mlp') complete the open block?"""
+    return kind == 'mlp' and (i + 1) % config.layers_per_block == 0 and i + 1 < config.n_layer
 
 
-class OfficialRouting(Routing):
-    """variant='official': the bookkeeping of the authors' code for the two Delta modes, which produced the paper's
-    numbers (docs/fidelity.md). E is not a source from the start; a block becomes a source only after the next
-    block's first attention has routed without it, and as h - (the previous source) rather than the block's delta,
-    the first such source being E itself; Delta Block's open block is no source. Delta AttnRes is one block of all
-    layers here: E becomes a source after the first attention, which is not routed."""
-
-    def start(self, E):
-        pass
-
-    def done(self, i, kind, v, h):
-        if kind == 'attn' and i % (self.lpb if self.granularity == 'block' else self.n_layer) == 0:
-            self.complete(h - self.sources[-1] if self.sources else h)     # h: the stream this attention read
-        if self.granularity == 'sublayer':
-            self.last = (i, kind, v)
+def opens_official_source(config, i, kind):
+    """variant='official': does the stream that sublayer (i, kind) reads become a source after it (a block's first
+    attention; Delta AttnRes: the first attention only)?"""
+    period = config.layers_per_block if RESIDUAL_MODES[config.residual][0] == 'block' else config.n_layer
+    return kind == 'attn' and i % period == 0
 
 
 class Site(NamedTuple):
     """One routing site of the schedule (GPT.sites): its place in forward order, its name ('layers.3.attn', 'final'),
-    its sublayer (layer None: the final site), and what it mixes: n completed sources, and the open block if open=1."""
+    its sublayer (layer None: the final site), and what it mixes: n completed sources, and the open block too if
+    open_block."""
     index: int
     name: str
     layer: Optional[int]
     kind: str
     n: int
-    open: int
+    open_block: bool
 
 
 def routing_schedule(config):
-    """The routing sites in forward order: the one schedule that the forward pass, the parameter order, the FLOP
-    count, the two-phase groups and bench.py's traffic model read. What each site mixes is not a second formula:
-    it is Routing's own bookkeeping, run here on placeholders (0 for every tensor: it only adds and subtracts them)."""
-    replace = RESIDUAL_MODES[config.residual][1] == 'replace'
-    routing = (OfficialRouting if config.official else Routing)(config)
-    sites = []
-
-    def site(name, layer, kind):
-        sources, block = routing.mixes()
-        sites.append(Site(len(sites), name, layer, kind, len(sources), int(block is not None)))
-
-    routing.start(0)
+    """The routing sites in forward order, counted with the rule above: the one schedule that the parameter order, the
+    FLOP count, the two-phase groups and bench.py's traffic model read, and that GPT.forward's loops run."""
+    granularity, mixing = RESIDUAL_MODES[config.residual]
+    sites, n, open_block = [], 0 if config.official else 1, False   # completed sources (E, unless official)
     for i in range(config.n_layer):
         for kind in ('attn', 'mlp'):
             if config.routed(i, kind):
-                site(f'layers.{i}.{kind}', i, kind)
-            routing.done(i, kind, 0, 0)
-    if replace:
-        site('final', None, 'final')
+                sites.append(Site(len(sites), f'layers.{i}.{kind}', i, kind, n, open_block))
+            if config.official:
+                n += opens_official_source(config, i, kind) + (granularity == 'sublayer')
+            elif granularity == 'sublayer':
+                n += 1
+            elif granularity == 'block':
+                closed = closes_block(config, i, kind)
+                n, open_block = n + closed, not closed
+    if mixing == 'replace':
+        sites.append(Site(len(sites), 'final', None, 'final', n, open_block))
     return sites
 
 
@@ -357,7 +296,7 @@ class Layer(nn.Module):
 # -----------------------------------------------------------------------------
 
 class GPT(nn.Module):
-    fast_routing = True     # False: the plain route() at every site (the specification; bench.py's naive baseline)
+    fast_routing = True     # False: route() at every site (the rule as written; bench.py's naive baseline)
     routing_ops = EAGER     # the routing math; compile_regional compiles it (RoutingOps)
 
     def __init__(self, config):
@@ -374,7 +313,8 @@ class GPT(nn.Module):
             # AttnRes replaces the residual stream, so the final norm also reads a routed mix
             self.final_res_proj = nn.Linear(config.n_embd, 1, bias=False)
             self.final_res_norm = nn.RMSNorm(config.n_embd, eps=config.rms_norm_eps)
-        self.sites = {s.name: s for s in routing_schedule(config)}      # the routing sites, in forward order
+        self.site_list = routing_schedule(config)                       # the routing sites, in forward order
+        self.sites = {s.name: s for s in self.site_list}
         # two-phase routing (the sublayer modes): its groups of sites, [(first site, number of sites)]
         self.routing_groups = two_phase_schedule(self.sites.values()) if self.granularity == 'sublayer' else None
         cos, sin = rope_tables(config.head_dim, config.block_size, config.rope_theta)
@@ -418,23 +358,47 @@ class GPT(nn.Module):
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]")
         cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
-        replace, site_stats = self.mixing == 'replace', {}
+        kv = [None] * self.config.n_layer if kv_cache is None else kv_cache.layers
+        site_stats = {}
+        record = self.recorder(site_stats if stats else None)
+        fast = self.fast_path(record)       # None: route() at every site
+        replace = self.mixing == 'replace'
+
         E = self.embed_tokens(idx)
-        h = E                   # the ordinary residual stream (standard and Delta modes)
-        fast = (FastRouting(self.routing_parameters(), self.config.rms_norm_eps, self.routing_groups, self.routing_ops)
-                if self.fast_routing else None)
-        routing = (OfficialRouting if self.config.official else Routing)(self.config, fast, site_stats if stats else None)
-        routing.start(E)
-        for i, layer in enumerate(self.layers):
-            for kind, f, proj, norm, gate in layer.sublayers(cos, sin, None if kv_cache is None else kv_cache.layers[i]):
-                site = self.sites.get(f'layers.{i}.{kind}')
-                x = h if site is None else routing.route(site, proj, norm, None if replace else h, gate)
-                v = f(x)
-                routing.done(i, kind, v, h)
-                if not replace:
-                    h = h + v                                          # the residual stream is kept
-        if replace:
-            h = routing.route(self.sites['final'], self.final_res_proj, self.final_res_norm)
+        if self.config.official:
+            h = self.official_loop(E, cos, sin, kv, fast, record)
+        else:
+            h = E               # the residual stream (standard and Delta modes; AttnRes replaces it)
+            sources = [E]       # the completed sources: E, then every sublayer's output or every completed block
+            block = None        # block modes: the open block, the sum of its sublayers' outputs so far
+            for i, layer in enumerate(self.layers):
+                for kind, f, proj, norm, gate in layer.sublayers(cos, sin, kv[i]):
+                    site = self.sites.get(f'layers.{i}.{kind}')
+                    if site is None:                # standard: the sublayer reads the residual stream
+                        x = h
+                    elif fast is None:              # the rule as written: route(), then REPLACE or ADD
+                        mixed, alpha = route(sources + ([] if block is None else [block]), proj, norm)
+                        record(site, alpha)
+                        x = mixed if replace else h + (mixed if gate is None else gate * mixed)
+                    else:                           # the same x, from fast_routing.py (checked against route())
+                        x = fast.route(site.index, sources, block, add_to=None if replace else h, gate=gate)
+                    v = f(x)
+                    if not replace:
+                        h = h + v                   # the residual stream is kept
+                    if self.granularity == 'sublayer':
+                        sources.append(v)           # every sublayer's output is a source
+                    elif self.granularity == 'block':
+                        block = v if block is None else block + v       # = h(now) - h(block start) in Delta Block
+                        if closes_block(self.config, i, kind):
+                            sources, block = sources + [block], None    # the block is complete: a source
+            if replace:                             # AttnRes: the final norm reads a routed mix too
+                site = self.sites['final']
+                if fast is None:
+                    h, alpha = route(sources + ([] if block is None else [block]), self.final_res_proj,
+                                     self.final_res_norm)
+                    record(site, alpha)
+                else:
+                    h = fast.route(site.index, sources, block)
 
         if kv_cache is not None:
             kv_cache.pos += T
@@ -443,6 +407,55 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return (logits, loss, site_stats) if stats else (logits, loss)
+
+    def official_loop(self, E, cos, sin, kv, fast, record):
+        """variant='official': the layer loop of the authors' code for the two Delta modes, which produced the
+        papers' numbers, beside the paper's loop in forward() (docs/fidelity.md lists the differences):
+          - E is not a source from the start, and the first attention is not routed (it reads h = E);
+          - a block becomes a source only after the next block's first attention has routed without it, and as
+            h - (the previous source) rather than its delta; the first such source is E itself;
+          - Delta Block's open block is no source: a site mixes the completed ones only;
+          - Delta AttnRes is one block of all layers: E becomes a source after the first attention."""
+        h, sources = E, []
+        for i, layer in enumerate(self.layers):
+            for kind, f, proj, norm, gate in layer.sublayers(cos, sin, kv[i]):
+                site = self.sites.get(f'layers.{i}.{kind}')
+                if site is None:                    # the first attention
+                    x = h
+                elif fast is None:
+                    mixed, alpha = route(sources, proj, norm)
+                    record(site, alpha)
+                    x = h + (mixed if gate is None else gate * mixed)
+                else:
+                    x = fast.route(site.index, sources, None, add_to=h, gate=gate)
+                v = f(x)
+                if opens_official_source(self.config, i, kind):
+                    sources.append(h - sources[-1] if sources else h)  # h: the stream this attention read
+                    if fast is not None:    # its logits now rather than at the next site: the gradients then sum
+                        fast.see(sources)   # in the order they always have (otherwise a last-bit difference)
+                h = h + v
+                if self.granularity == 'sublayer':
+                    sources.append(v)
+        return h
+
+    def recorder(self, stats):
+        """record(site, alpha): each site's routing_stats into the dict stats (without gradients), or nothing."""
+        def record(site, alpha):
+            if stats is not None:
+                with torch.no_grad():
+                    stats[site.name] = routing_stats(alpha)
+        return record
+
+    def fast_path(self, record):
+        """fast_routing.FastRouting for one forward pass, or None where this model routes with route() alone
+        (fast_routing = False, or 'standard'). Before its first use for a configuration, a process checks that it
+        computes what route() does (check_fast_routing)."""
+        if not self.fast_routing or not self.sites:
+            return None
+        if not torch.compiler.is_compiling():
+            check_fast_routing(self.config)
+        return FastRouting(self.routing_parameters(), self.config.rms_norm_eps, self.routing_groups, self.routing_ops,
+                           record=lambda k, alpha: record(self.site_list[k], alpha))
 
     # -------------------------------------------------------------------------
     # Training helpers, as in nanoGPT
@@ -489,7 +502,7 @@ class GPT(nn.Module):
 
     def routing_sources(self):
         """Number of sources each routing site mixes, in forward order (for the FLOP count)."""
-        return [s.n + s.open for s in self.sites.values()]
+        return [s.n + s.open_block for s in self.sites.values()]
 
     def flops_per_token(self, T):
         """Training FLOPs (forward + backward) per token: 6N for the matmuls, attention scores as in
@@ -505,6 +518,58 @@ class GPT(nn.Module):
         """Model FLOPs utilisation: achieved FLOP/s over peak_flops (e.g. device_peak_flops(name))."""
         flops = self.flops_per_token(self.config.block_size) * self.config.block_size * fwdbwd_per_iter
         return flops / dt / peak_flops
+
+
+# -----------------------------------------------------------------------------
+# route() is the meaning; fast_routing.py computes the same numbers faster. So that an edited route() is never
+# silently ignored, a process checks the fast path against route() before its first use for a configuration.
+
+class FastRoutingMismatch(RuntimeError):
+    one_line = True     # a script prints it as one `error:` line (checks.print_mistakes), not as a traceback
+
+
+_checked = {}           # (mode, variant, gate, route()) -> True once the fast path has matched route()
+
+
+def check_fast_routing(config):
+    """Raise FastRoutingMismatch unless fast_routing.py computes what route() does for this configuration's mode,
+    variant and gate: once per process (and per route() function, so an edit made at run time is caught too), on a
+    tiny model of its own with random queries and gates, values and gradients in fp32 (about 0.1 s). The
+    global random generator is left as it was."""
+    key = (config.residual, config.variant, config.res_gate, route)
+    if key in _checked:             # (also while the check itself runs its tiny model)
+        return
+    _checked[key] = False
+    tiny = GPTConfig(vocab_size=16, block_size=8, n_layer=5, n_head=2, n_kv_head=1, n_embd=8, head_dim=4,
+                     intermediate_size=16, n_blocks=2, residual=config.residual, variant=config.variant,
+                     res_gate=config.res_gate)
+    results = []
+    # fp32 on the CPU with gradients, whatever the caller's context (no_grad, autocast, a meta default device), and
+    # its random draws in a generator state of their own
+    with (torch.random.fork_rng(devices=[]), torch.device('cpu'), torch.inference_mode(False), torch.enable_grad(),
+          torch.autocast('cpu', enabled=False)):
+        torch.manual_seed(0)
+        model = GPT(tiny)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if GPT.is_routing(name) and not name.endswith('_res_norm.weight'):
+                    p.copy_(torch.randn_like(p))        # queries far from uniform routing; gates far from 1
+        idx = torch.randint(0, 16, (2, 8))
+        for fast in (False, True):
+            model.fast_routing = fast
+            logits, _ = model(idx)
+            grads = torch.autograd.grad((logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum(),
+                                        list(model.parameters()))
+            results.append([logits, *grads])
+    worst = max((a - b).abs().max().item() / (1 + b.abs().max().item()) for a, b in zip(*results))
+    if not worst < 1e-4:
+        del _checked[key]
+        raise FastRoutingMismatch(
+            f"route() and fast_routing.py disagree for residual={config.residual!r}, variant={config.variant!r}, "
+            f"res_gate={config.res_gate} (relative difference {worst:.2g} in values or gradients): the fast path "
+            f"computes the routing rule as shipped. To train your edited route(), set fast_routing=False (train.py, "
+            f"sample.py: --fast_routing=False; bench.py: --routing=naive), or make fast_routing.py compute the same.")
+    _checked[key] = True
 
 
 # dense BF16 tensor-core peak FLOP/s per GPU (vendor data sheets), for MFU in train.py and bench.py

@@ -35,6 +35,7 @@ seed = 1337
 device = None               # None: 'cuda' where torch sees a GPU, else 'cpu'
 dtype = None                # None: 'bfloat16' on a GPU, else 'float32'
 use_kv_cache = True         # False recomputes the whole sequence for every new token (same tokens, slower)
+fast_routing = True         # False: model.route() at every site (after editing it; train.py's setting)
 # -----------------------------------------------------------------------------
 if __name__ == '__main__':  # the overrides come before torch loads, so that --help answers at once
     print_mistakes()    # a mistake in a setting or a file: one line (checks.py); a bug: its traceback
@@ -98,6 +99,7 @@ if __name__ == '__main__':
     if enc.n_vocab > model.config.vocab_size:
         raise InvalidValue(f"tokenizer {tokenizer} has {enc.n_vocab} tokens, more than the model's vocab_size {model.config.vocab_size}")
     model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    model.fast_routing = fast_routing
     if start.startswith('FILE:'):
         start = Path(start[5:]).read_text(encoding='utf-8')
     ids = enc.encode_ordinary(start)

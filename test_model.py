@@ -108,6 +108,9 @@ def reference_forward(model, idx):
             for j in (2 * i, 2 * i + 1):
                 partial = [] if (j % 2 == 0 and i % lpb == 0) else [h - start]
                 h = h + fs[j](h + ref_route(deltas + partial, *sites[j]))
+    else:
+        raise NotImplementedError(f"test_model.reference_forward has no branch for residual={mode!r}: add one, written "
+                                  f"from your mode's definition with plain lists and ref_route (not model.py's loop)")
     return model.lm_head(model.norm(h))
 
 
@@ -121,6 +124,49 @@ def test_matches_reference(mode, n_blocks):
         logits, _ = model(idx)
         ref = reference_forward(model, idx)
     assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def hot_route(sources, proj, norm):
+    """route() as a reader might edit it: the routing logits at a temperature of 1/8."""
+    V = torch.stack(sources)
+    alpha = (proj(norm(V)).squeeze(-1) / 8).float().softmax(dim=0)
+    return torch.einsum('nbt,nbtd->btd', alpha.to(V.dtype), V), alpha
+
+
+@pytest.mark.parametrize('variant', ['paper', 'official'])
+@pytest.mark.parametrize('mode', ROUTED)
+def test_an_edited_route_is_followed_or_refused_never_ignored(monkeypatch, mode, variant):
+    model = make_model(mode, variant=variant)
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before, _ = model(idx)
+    monkeypatch.setattr(model_module, 'route', hot_route)
+    # the default path (fast_routing.py) does not compute the edited rule: it refuses, naming the way on
+    with pytest.raises(model_module.FastRoutingMismatch, match=r"route\(\) and fast_routing.py disagree for "
+                       rf"residual='{mode}'.*fast_routing=False"):
+        model(idx)
+    model.fast_routing = False      # the rule as edited, at every site
+    with torch.no_grad():
+        after, _ = model(idx)
+    assert (after - before).abs().max() > 1e-3
+    monkeypatch.undo()              # the rule as shipped: the fast path is used again, and equals route()
+    model.fast_routing = True
+    with torch.no_grad():
+        again, _ = model(idx)
+    torch.testing.assert_close(again, before, rtol=0, atol=0)
+
+
+def test_the_fast_path_check_is_quick_and_leaves_the_random_generator_alone():
+    import time
+    model_module._checked.clear()
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    t0 = time.perf_counter()
+    for mode in ROUTED:
+        for variant in ('paper', 'official'):
+            model_module.check_fast_routing(tiny_config(residual=mode, variant=variant))
+    assert (time.perf_counter() - t0) / 8 < 2         # each about 0.1 s: 2 s is a busy machine's margin
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 @pytest.mark.parametrize('mode', ROUTED)
@@ -368,7 +414,7 @@ def test_optimizer_groups_and_flops():
     assert GPT(tiny_config(residual='attnres', n_blocks=3)).routing_sources() == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]
     assert GPT(tiny_config(residual='delta_block', n_blocks=3)).routing_sources() == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4]
     # which of them is the open block (5 layers in blocks of 2): E, then at each block's first attention a closed block
-    sites = lambda **kw: [(s.n, s.open) for s in GPT(tiny_config(**kw)).sites.values()]
+    sites = lambda **kw: [(s.n, s.open_block) for s in GPT(tiny_config(**kw)).sites.values()]
     assert sites(residual='delta_block', n_blocks=3) == [
         (1, 0), (1, 1), (1, 1), (1, 1), (2, 0), (2, 1), (2, 1), (2, 1), (3, 0), (3, 1)]
     assert sites(residual='delta_block', n_blocks=3, variant='official') == [

@@ -74,6 +74,8 @@ routing_init_std = 0.0      # routing queries at init (from scratch, or a Qwen3 
                             # 0 = uniform routing (the papers); the authors' code: 0.02
 res_gate = False            # additive modes: x = h + gate * routed; with a Qwen3 init_from the gates start at 0,
                             # so the converted model is exactly the pretrained one (see checkpoints.load_hf)
+fast_routing = True         # fast_routing.py, checked against route() at start; False: model.route() at every site
+                            # (after editing it: the rule as written, with more memory and time)
 # AdamW
 learning_rate = 6e-4
 max_iters = 10000
@@ -114,7 +116,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoints import load_hf
 from data import ShardLoader, load_meta
-from model import GPT, GPTConfig, RESIDUAL_MODES, device_peak_flops
+from model import GPT, GPTConfig, RESIDUAL_MODES, check_fast_routing, device_peak_flops
 from runs import (CheckpointWriteError, Guard, Stop, append_log, busy_cores, check_resume, clear, differences,
                   init_distributed, latest, lock, open_log, provenance, read_state, resume, save_checkpoint,
                   start_or_resume)
@@ -245,6 +247,9 @@ else:
                                                            if res_gate else ""))
 if init_from == 'scratch' and routing_init_std > 0:
     model.init_queries(routing_init_std)    # as the authors' code leaves them: Hugging Face's normal init, not zero
+model.fast_routing = fast_routing
+if fast_routing:    # fast_routing.py must compute what route() does (an edited route() is refused here, in one line)
+    check_fast_routing(model.config)
 if param_dtype == 'bfloat16':
     # parameters only: the RoPE tables stay fp32. The optimizer then updates BF16 weights directly, so
     # updates smaller than a weight's rounding step (2^-8 relative) are lost: the authors' recipe, not ours.
