@@ -219,6 +219,19 @@ print('torch' in sys.modules)
 """
 
 
+def test_gpu_check_dry_run_shows_its_stages_and_deadlines():
+    p = subprocess.run([sys.executable, 'gpu_check.py', '--dry_run', '--budget=600'], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and p.stderr == '', p.stderr
+    stages = [line.split()[0] for line in p.stdout.splitlines()[1:] if 'at most' in line]
+    assert stages == ['tests', 'compile_delta_block', 'compile_delta_attnres', 'compile_attnres',
+                      'compile_full_attnres', 'ddp', 'fsdp', 'resume', 'bench']
+    ends = [float(line.split('ends by')[1].split()[0]) for line in p.stdout.splitlines() if 'ends by' in line]
+    assert ends == sorted(ends) and abs(ends[-1] - 600) <= 1      # one after another, within the budget
+    p = subprocess.run([sys.executable, 'gpu_check.py'], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and 'SKIPPED: no CUDA device' in p.stdout     # (this CPU machine)
+
+
 @pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'prepare_fineweb.py'])
 def test_help_answers_before_torch_loads(script):
     # importing torch takes seconds, tens of seconds on a busy machine; the settings need none of it
