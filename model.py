@@ -179,6 +179,15 @@ def routing_schedule(config):
     return sites
 
 
+def query(d):
+    """A routing site's pseudo-query w: a bias-free Linear(d, 1), made without drawing from the random generator
+    (GPT.init_queries sets it). So a seed gives every mode, variant and gate setting the same draws for everything
+    else: the same initial weights as 'standard', and a comparison of modes at one seed differs only in the routing."""
+    w = nn.utils.skip_init(nn.Linear, d, 1, bias=False, device=torch.get_default_device())
+    w.is_query = True
+    return w
+
+
 def site_parameters(module, kind):
     """(pseudo-query, key norm, gate) of the routing site `kind` that module owns; None for each it does not have."""
     return tuple(getattr(module, f'{kind}_res_{part}', None) for part in ('proj', 'norm', 'gate'))
@@ -277,7 +286,7 @@ class Layer(nn.Module):
         self.input_layernorm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         for kind in [k for k in ('attn', 'mlp') if cfg.routed(index, k)]:
-            self.add_module(f'{kind}_res_proj', nn.Linear(d, 1, bias=False))
+            self.add_module(f'{kind}_res_proj', query(d))
             self.add_module(f'{kind}_res_norm', nn.RMSNorm(d, eps=cfg.rms_norm_eps))
             if cfg.res_gate:
                 # 1 = the plain additive mode; checkpoints.load_hf(..., identity_init=True) sets 0.
@@ -311,7 +320,7 @@ class GPT(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         if self.mixing == 'replace':
             # AttnRes replaces the residual stream, so the final norm also reads a routed mix
-            self.final_res_proj = nn.Linear(config.n_embd, 1, bias=False)
+            self.final_res_proj = query(config.n_embd)
             self.final_res_norm = nn.RMSNorm(config.n_embd, eps=config.rms_norm_eps)
         self.site_list = routing_schedule(config)                       # the routing sites, in forward order
         self.sites = {s.name: s for s in self.site_list}
@@ -324,8 +333,9 @@ class GPT(nn.Module):
         self.init_queries(0.0)
 
     def _init_weights(self, module):
-        # Qwen3 from scratch: N(0, 0.02) for Linear and Embedding, norm weights 1 (nn.RMSNorm's default)
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        # Qwen3 from scratch: N(0, 0.02) for Linear and Embedding, norm weights 1 (nn.RMSNorm's default); the
+        # pseudo-queries are set by init_queries, without a draw here (see query())
+        if isinstance(module, (nn.Linear, nn.Embedding)) and not getattr(module, 'is_query', False):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     @torch.no_grad()

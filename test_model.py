@@ -126,6 +126,22 @@ def test_matches_reference(mode, n_blocks):
     assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+@pytest.mark.parametrize('mode', ROUTED)
+def test_one_seed_gives_every_mode_the_same_weights(mode):
+    # a comparison of modes at one seed differs only in the routing: every tensor that 'standard' has starts bit for
+    # bit the same in every mode, variant and gate setting (the pseudo-queries take no random draws)
+    torch.manual_seed(0)
+    standard = GPT(tiny_config()).state_dict()
+    for variant in ('paper', 'official'):
+        for gate in ((False, True) if RESIDUAL_MODES[mode][1] == 'add' else (False,)):
+            torch.manual_seed(0)
+            routed = GPT(tiny_config(residual=mode, variant=variant, res_gate=gate)).state_dict()
+            assert set(standard) == {k for k in routed if not GPT.is_routing(k)}
+            differ = [k for k in standard if not torch.equal(standard[k], routed[k])]
+            assert not differ, f"{mode} {variant} gate={gate}: {len(differ)} tensors differ from standard's, e.g. {differ[:3]}"
+            assert all(routed[k].eq(0).all() for k in routed if k.endswith('_res_proj.weight'))   # zero queries
+
+
 def hot_route(sources, proj, norm):
     """route() as a reader might edit it: the routing logits at a temperature of 1/8."""
     V = torch.stack(sources)
