@@ -261,6 +261,7 @@ class FastRouting:
         keys     [(first site, keys(source))] of each completed source: its logits at every later site
         phase1   two-phase routing: (number of sources, h, o, lse) of the open group
         next     the site after the last one routed: a source completed now is read from there on
+        sources  the loop's completed sources, in the autocast dtype (see)
         seen     how many of the loop's sources have their keys
     sites: [(proj, norm, gate)] of every routing site in forward order (their u = w * g, for the keys); groups (the
     sublayer modes): route in two phases, in these groups of sites [(first site, size)] (two_phase_schedule); ops: the
@@ -269,14 +270,23 @@ class FastRouting:
 
     def __init__(self, sites, eps, groups=None, ops=EAGER, record=None):
         self.ops, self.eps, self.keys, self.phase1, self.next, self.seen = ops, eps, [], None, 0, 0
+        self.sources = []
         self.record = record
         self.U = torch.stack([p.weight[0] * n.weight for p, n, _ in sites]) if sites else None
         self.gates = [g for _, _, g in sites]
         self.group = {k: (first, size) for first, size in groups or [] for k in range(first, first + size)}
 
     def see(self, sources):
-        """The sources completed since the last call: their logits at every site from self.next on."""
+        """The sources completed since the last call: kept in the autocast dtype, and their logits at every site from
+        self.next on. Under BF16 autocast the sublayers' outputs are BF16 already, but the embedding E (and the
+        official variant's h - source) are fp32: stacked with BF16 sources they would make every two-phase stack
+        fp32, twice the routing traffic. route() rounds them to BF16 anyway, where autocast feeds its logits'
+        Linear and its mix's einsum."""
+        low = torch.get_autocast_dtype(sources[0].device.type) if torch.is_autocast_enabled(sources[0].device.type) \
+            else None
         for s in sources[self.seen:]:
+            s = s.to(low) if low is not None and s.dtype == torch.float32 else s
+            self.sources.append(s)
             if self.U is not None and self.next < len(self.U):     # (a source no later site reads needs no keys)
                 # (contiguous: a slice's offset would be one more shape for the compiled ops to specialise on)
                 self.keys.append((self.next, keys(s, self.U[self.next:].contiguous(), self.eps, self.ops)))
@@ -287,7 +297,7 @@ class FastRouting:
         open block (None: none), x = sum_i alpha_i s_i, or with add_to=h, x = h + gate * sum_i alpha_i s_i."""
         self.next = k
         self.see(sources)
-        self.next = k + 1
+        self.next, sources = k + 1, self.sources
         if k in self.group:
             x = self.two_phase(k, sources, add_to, gate)
             if self.record:

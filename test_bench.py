@@ -146,6 +146,25 @@ def test_model_fast_equals_naive_bf16_autocast(mode, device):
     assert err_fast <= 1.5 * err_route, (err_fast, err_route)
 
 
+@pytest.mark.parametrize('mode', ['full_attnres', 'delta_attnres'])
+def test_bf16_routing_stacks_and_keys_are_bf16(monkeypatch, mode):
+    # under BF16 autocast every routing source enters the fast path in BF16, the fp32 embedding E included: one fp32
+    # source would make each two-phase stack (and its traffic) fp32
+    import fast_routing
+    seen = []
+    stack, keys_op = fast_routing._stack, fast_routing.EAGER.keys
+    monkeypatch.setattr(fast_routing, '_stack', lambda sources: seen.append(('stack', {s.dtype for s in sources}))
+                        or stack(sources))
+    monkeypatch.setattr(fast_routing.EAGER, 'keys', lambda s, U, r: seen.append(('keys', {s.dtype})) or keys_op(s, U, r))
+    model = make_model(mode, n_layer=6)
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        _, loss = model(idx, idx)
+    loss.backward()
+    assert {kind for kind, _ in seen} == {'stack', 'keys'}       # both paths ran (and the stack in backward too)
+    assert all(dtypes == {torch.bfloat16} for _, dtypes in seen), seen
+
+
 def saved_bytes(model, idx):
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
