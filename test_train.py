@@ -222,6 +222,49 @@ def test_ddp_and_fsdp_two_processes_match_one(corpus, tmp_path):
     assert [r['final_val_loss'] for r in fsdp if 'final_val_loss' in r] == [pytest.approx(expected.item(), rel=1e-5)]
 
 
+# train.py, recording the dtype of the weights that the first layer's q_proj (a sharded unit under FSDP) and the LM
+# head (the root) compute with, as the forward runs
+DTYPES = """
+import atexit, json, os, runpy, sys
+import torch.nn as nn
+sys.path.insert(0, os.getcwd())
+out_dir, seen = sys.argv[1], {}
+forward = nn.Linear.forward
+def recording(self, x):
+    seen[getattr(self, 'tag', None)] = str(self.weight.dtype)     # (the last: the training run's)
+    return forward(self, x)
+nn.Linear.forward = recording
+import model
+init = model.GPT.__init__
+def tagged(self, *a, **k):
+    init(self, *a, **k)
+    self.layers[0].self_attn.q_proj.tag, self.lm_head.tag = 'q_proj', 'lm_head'
+model.GPT.__init__ = tagged
+atexit.register(lambda: json.dump(seen, open(os.path.join(out_dir, f"dtypes{os.environ['RANK']}.json"), 'w')))
+sys.argv = ['train.py'] + sys.argv[2:]
+runpy.run_path('train.py', run_name='__main__')
+"""
+
+
+def test_fsdp_gathers_the_layers_in_bf16_and_matches_ddp(corpus, tmp_path):
+    # BF16 autocast: FSDP2 all-gathers the attention and MLP units in BF16 (half the traffic) and keeps the root
+    # (embedding / LM head, norms, routing) in fp32; DDP's autocast rounds the same weights for the same matmuls
+    wrapper = tmp_path / 'dtypes.py'
+    wrapper.write_text(DTYPES)
+    args = ['--max_iters=4', '--lr_decay_iters=4', '--eval_interval=4', '--gradient_accumulation_steps=2',
+            '--residual=delta_attnres', '--dtype=bfloat16', '--final_eval=False']
+    _, ddp = train(corpus, tmp_path / 'ddp', *args, torchrun=True, wrapper=wrapper)
+    _, fsdp = train(corpus, tmp_path / 'fsdp', *args, '--fsdp=True', torchrun=True, wrapper=wrapper)
+    for rank in (0, 1):
+        seen = {run: json.loads((tmp_path / run / f'dtypes{rank}.json').read_text()) for run in ('ddp', 'fsdp')}
+        assert seen['fsdp']['q_proj'] == 'torch.bfloat16' and seen['fsdp']['lm_head'] == 'torch.float32'
+        assert seen['ddp']['q_proj'] == seen['ddp']['lm_head'] == 'torch.float32'
+    for step, loss in losses(ddp).items():
+        assert losses(fsdp)[step] == pytest.approx(loss, rel=2e-3)
+    for step, loss in val_losses(ddp).items():
+        assert val_losses(fsdp)[step] == pytest.approx(loss, rel=2e-3)
+
+
 SLOW = pytest.mark.skipif(not os.environ.get('RUN_SLOW'), reason='inductor on 2 CPU cores takes minutes: RUN_SLOW=1')
 
 

@@ -277,10 +277,15 @@ if compile and (compile_regional or fsdp):
     graphs = model.compile_regional()    # the routing's graphs per function: dynamo's limit must allow them
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
 if fsdp:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # With BF16 autocast, the attention and MLP units are all-gathered in BF16 (half the traffic of fp32; autocast
+    # would round their weights to BF16 for every matmul anyway) and their gradients reduced in fp32. The root (the
+    # embedding, tied to the LM head; norms; routing) keeps fp32, so E and the residual stream stay fp32, as in DDP.
+    units = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+             if dtype == 'bfloat16' and param_dtype == 'float32' else MixedPrecisionPolicy())
     for layer in model.layers:
         for unit in (layer.self_attn, layer.mlp):
-            fully_shard(unit)
+            fully_shard(unit, mp_policy=units)
     fully_shard(model)
 raw_model = model  # the module that owns the parameters (FSDP shards them in place)
 routing_lr_scale = 1.0 if routing_learning_rate is None else routing_learning_rate / learning_rate
