@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from fast_routing import group_passes, keys, mix, two_phase_groups
+import model as model_module
 from model import RESIDUAL_MODES, route
 from test_model import make_model
 
@@ -166,6 +167,7 @@ def test_bf16_routing_stacks_and_keys_are_bf16(monkeypatch, mode):
 
 
 def saved_bytes(model, idx):
+    model_module.check_fast_routing(model.config)   # (its tiny model's tensors are not this model's: before the hooks)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 
@@ -427,16 +429,17 @@ print(json.dumps(dict(graphs=c['stats']['unique_graphs'], breaks=sum(c['graph_br
 
 
 def test_bench_compiles_every_row():
-    # --routing=both: 9 models, one more than dynamo's default recompile limit; the ninth must be compiled
-    # too, not run eagerly while the table says compile=True
+    # --routing=both: 9 models with the five modes, one more than dynamo's default recompile limit; the ninth must be
+    # compiled too, not run eagerly while the table says compile=True
     root = Path(__file__).resolve().parent
     out = subprocess.run([sys.executable, '-c', COMPILE_COUNTING_BENCH, *TINY_BENCH[:-1], '--compile=True',
                           '--routing=both', '--json'], cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout)['rows']
-    assert len(rows) == 9
+    models = 1 + 2 * len(ROUTED)        # standard, then every routed mode fast and naive
+    assert len(rows) == models, [(r['mode'], r['routing']) for r in rows]
     counts = json.loads(out.stderr.splitlines()[-1])
-    assert counts == {'graphs': 9, 'breaks': 0}, counts
+    assert counts == {'graphs': models, 'breaks': 0}, counts
     assert 'recompile_limit' not in out.stderr
 
 

@@ -196,7 +196,8 @@ def test_reference_detects_other_source_sets(mode):
             if RESIDUAL_MODES[other][1] == RESIDUAL_MODES[mode][1] and other != mode:
                 twin = make_model(other)
                 twin.load_state_dict(model.state_dict())
-                assert (reference_forward(twin, idx) - logits).abs().max() > 1e-3
+                assert (reference_forward(twin, idx) - logits).abs().max() > 1e-3, \
+                    f"{mode} and {other} give the same logits from the same weights: a new mode that computes another's"
 
 
 # variant='official': the authors' code (wdlctc/delta-attention-residuals-code,

@@ -377,8 +377,9 @@ def test_finetune_from_qwen3(tmp_path, hf_dir, toy_data):
 def test_finetune_configs():
     from model import GPTConfig
     for mode in MODES:
-        g = {}
-        exec(open(Path(__file__).parent / f'config/finetune_qwen3_0.6b_{mode}.py').read(), g)
+        g, path = {}, Path(__file__).parent / f'config/finetune_qwen3_0.6b_{mode}.py'
+        assert path.exists(), f"every mode has a fine-tuning config: add {path.name}, like finetune_qwen3_0.6b_delta_block.py"
+        exec(path.read_text(), g)
         assert (g['residual'], g['init_from'], g['max_iters'], g['warmup_iters']) == (mode, 'Qwen3-0.6B', 20000, 500)
         assert (g['batch_size'], g['gradient_accumulation_steps']) == (2, 16)    # 4 GPUs x batch 2 x accumulation 4
         assert (g['learning_rate'], g['routing_learning_rate']) == (5e-5, 5e-3)

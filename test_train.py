@@ -563,7 +563,8 @@ def test_paper_configs(monkeypatch):
                    if not p.name.startswith(('finetune_', 'study_')))    # the CPU study's: test_study_configs
     expected = [f'{r}_{s}.py' for s in ('220m', '533m', '1b') for r in RESIDUAL_MODES]
     expected += [f'{r}_8b.py' for r in ('standard', 'attnres', 'delta_block')] + ['delta_block_tiny.py']
-    assert files == sorted(expected)
+    assert files == sorted(expected), (f"every mode has a config per paper scale (config/MODE_SCALE.py): "
+                                       f"missing {sorted(set(expected) - set(files))}, unknown {sorted(set(files) - set(expected))}")
     for name in expected[:-1]:
         residual, scale = name[:-3].rsplit('_', 1)
         g = configure(monkeypatch, f'config/{name}')
