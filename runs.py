@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -87,6 +88,36 @@ def cpu_name():
     except (OSError, StopIteration):
         model = platform.processor() or platform.machine()
     return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
+
+
+class Heartbeat:
+    """A sign of life during work that prints nothing for minutes (the first evaluation and the first training step
+    compile the model: 10-14 minutes at 36 layers on a CPU). While the with-block runs, a line every `every` seconds
+    says what it is doing and for how long; when it took longer than that, one more says how long it took. A timer
+    thread that only prints: the work runs undisturbed. Nothing happens unless `on` (rank 0 of a compiled run)."""
+
+    def __init__(self, what, on=True, every=60.0):
+        self.what, self.on, self.every = what, on, every
+        self.done = threading.Event()
+
+    def __enter__(self):
+        self.t0 = time.time()
+        if self.on:
+            self.thread = threading.Thread(target=self._beat, daemon=True)
+            self.thread.start()
+        return self
+
+    def _beat(self):
+        while not self.done.wait(self.every):
+            print(f"... {self.what}: {time.time() - self.t0:.0f} s so far", flush=True)
+
+    def __exit__(self, *exc):
+        self.done.set()
+        if self.on:
+            self.thread.join()
+            if time.time() - self.t0 >= self.every and exc[0] is None:
+                print(f"... {self.what}: done in {time.time() - self.t0:.0f} s", flush=True)
+        return False
 
 
 def busy_cores(threads):

@@ -215,3 +215,18 @@ def test_no_host_device_sync_on_a_step_that_does_not_log(corpus, tmp_path, paral
         assert quiet == {}, (rank, quiet)
         assert counts.get('4') and counts.get('8'), counts     # (the count sees the logging steps' reads)
     assert [r['step'] for r in records if 'loss' in r] == [4, 8]
+
+
+def test_a_long_compile_says_what_it_does_and_how_long_it_took(capsys):
+    import time
+    from runs import Heartbeat
+    with Heartbeat('compiling the training step', every=0.2):
+        time.sleep(0.5)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ['... compiling the training step: 0 s so far'] * 2 and len(lines) == 3
+    assert lines[-1].startswith('... compiling the training step: done in ')
+    with Heartbeat('compiling the evaluation', on=False, every=0.05):     # (not rank 0, or not compiled)
+        time.sleep(0.2)
+    with Heartbeat('compiling the evaluation', every=5):                 # quick: nothing to say
+        pass
+    assert capsys.readouterr().out == ''

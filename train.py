@@ -117,7 +117,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoints import load_hf
 from data import ShardLoader, load_meta
 from model import GPT, GPTConfig, RESIDUAL_MODES, check_fast_routing, device_peak_flops
-from runs import (CheckpointWriteError, Guard, Stop, append_log, busy_cores, check_resume, clear, differences,
+from runs import (CheckpointWriteError, Guard, Heartbeat, Stop, append_log, busy_cores, check_resume, clear, differences,
                   init_distributed, latest, lock, open_log, provenance, read_state, resume, save_checkpoint,
                   start_or_resume)
 
@@ -447,7 +447,8 @@ while True:
     if (iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only) and \
             not (iter_num == start_iter and init_from == 'resume' and not eval_only):
         guard.stop_if_skipped(iter_num)   # never evaluate or checkpoint after a skipped step
-        val_loss, val_tokens = evaluate(eval_iters)
+        with Heartbeat('compiling the evaluation', on=compile and master and iter_num == start_iter):
+            val_loss, val_tokens = evaluate(eval_iters)
         if master:
             print(f"step {iter_num}: val loss {val_loss:.4f} | val ppl {ppl(val_loss):.2f} "
                   f"({val_tokens:,} held-out tokens)")
@@ -472,21 +473,23 @@ while True:
         group['lr'] = lr * group['lr_scale']   # the routing group may have its own scale (routing_learning_rate)
     want_stats = (iter_num + 1) % log_interval == 0
     loss_sum = torch.zeros((), device=device)
-    for micro, (x, y) in enumerate(train_loader.train_batches()):
-        x, y = to_device(x, y)
-        last = micro == accum - 1
-        # DDP all-reduces the gradients only once, after the last micro-batch. FSDP reduce-scatters them after
-        # every micro-batch (its default): skipping that would hold the whole model's unsharded fp32 gradients
-        # on every GPU between micro-batches (33 GB at 8B), for one reduce-scatter saved per micro-batch.
-        if ddp and not fsdp:
-            model.require_backward_grad_sync = last
-        with autocast:
-            if want_stats and last:
-                _, loss, stats = model(x, y, stats=True)
-            else:
-                _, loss = model(x, y)
-        (loss / accum).backward()
-        loss_sum += loss.detach() / accum
+    first = iter_num == start_iter or (want_stats and iter_num < start_iter + log_interval)  # (+ its stats graph)
+    with Heartbeat('compiling the training step', on=compile and master and first):
+        for micro, (x, y) in enumerate(train_loader.train_batches()):
+            x, y = to_device(x, y)
+            last = micro == accum - 1
+            # DDP all-reduces the gradients only once, after the last micro-batch. FSDP reduce-scatters them after
+            # every micro-batch (its default): skipping that would hold the whole model's unsharded fp32 gradients
+            # on every GPU between micro-batches (33 GB at 8B), for one reduce-scatter saved per micro-batch.
+            if ddp and not fsdp:
+                model.require_backward_grad_sync = last
+            with autocast:
+                if want_stats and last:
+                    _, loss, stats = model(x, y, stats=True)
+                else:
+                    _, loss = model(x, y)
+            (loss / accum).backward()
+            loss_sum += loss.detach() / accum
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float('inf'))
     if hasattr(grad_norm, 'full_tensor'):  # FSDP: a DTensor
         grad_norm = grad_norm.full_tensor()
