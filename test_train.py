@@ -571,7 +571,8 @@ def test_paper_configs(monkeypatch):
         d, L, H, KV, hd, ff, count = PAPER[scale]
         assert (g['residual'], g['n_embd'], g['n_layer'], g['n_head'], g['n_kv_head'], g['head_dim'],
                 g['intermediate_size'], g['n_blocks']) == (residual, d, L, H, KV, hd, ff, 4)
-        assert (g['batch_size'], g['gradient_accumulation_steps'], g['block_size'], g['max_iters']) == (4, 16, 2048, 10000)
+        assert g['batch_size'] * g['gradient_accumulation_steps'] == 64        # sequences per step, every scale
+        assert (g['batch_size'], g['block_size'], g['max_iters']) == (2 if scale == '8b' else 4, 2048, 10000)
         assert (g['beta1'], g['beta2'], g['weight_decay'], g['grad_clip']) == (0.9, 0.95, 0.1, 1.0)
         lr, min_lr, warmup = (3e-4, 3e-5, 500) if scale == '8b' else (6e-4, 6e-5, 1000)
         assert (g['learning_rate'], g['min_lr'], g['warmup_iters'], g['lr_decay_iters']) == (lr, min_lr, warmup, 10000)
