@@ -183,7 +183,8 @@ def query(d):
     """A routing site's pseudo-query w: a bias-free Linear(d, 1), made without drawing from the random generator
     (GPT.init_queries sets it). So a seed gives every mode, variant and gate setting the same draws for everything
     else: the same initial weights as 'standard', and a comparison of modes at one seed differs only in the routing."""
-    w = nn.utils.skip_init(nn.Linear, d, 1, bias=False, device=torch.get_default_device())
+    w = nn.Linear(d, 1, bias=False, device='meta')        # (a meta tensor holds no values: no draw)
+    w.weight = nn.Parameter(torch.zeros(1, d))             # zero, the papers' init, until init_queries
     w.is_query = True
     return w
 
@@ -441,8 +442,8 @@ class GPT(nn.Module):
                 v = f(x)
                 if opens_official_source(self.config, i, kind):
                     sources.append(h - sources[-1] if sources else h)  # h: the stream this attention read
-                    if fast is not None:    # its logits now rather than at the next site: the gradients then sum
-                        fast.see(sources)   # in the order they always have (otherwise a last-bit difference)
+                    if fast is not None:    # its logits now, before h moves on (at the next site instead,
+                        fast.see(sources)   # autograd would sum the gradients in another order: last bits differ)
                 h = h + v
                 if self.granularity == 'sublayer':
                     sources.append(v)
