@@ -152,12 +152,13 @@ def test_bf16_routing_stacks_and_keys_are_bf16(monkeypatch, mode):
     # under BF16 autocast every routing source enters the fast path in BF16, the fp32 embedding E included: one fp32
     # source would make each two-phase stack (and its traffic) fp32
     import fast_routing
+    model = make_model(mode, n_layer=6)
+    model_module.check_fast_routing(model.config)   # (its tiny fp32 model first: not what is spied on below)
     seen = []
     stack, keys_op = fast_routing._stack, fast_routing.EAGER.keys
     monkeypatch.setattr(fast_routing, '_stack', lambda sources: seen.append(('stack', {s.dtype for s in sources}))
                         or stack(sources))
     monkeypatch.setattr(fast_routing.EAGER, 'keys', lambda s, U, r: seen.append(('keys', {s.dtype})) or keys_op(s, U, r))
-    model = make_model(mode, n_layer=6)
     idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.autocast('cpu', dtype=torch.bfloat16):
         _, loss = model(idx, idx)
