@@ -372,7 +372,7 @@ class GPT(nn.Module):
         kv = [None] * self.config.n_layer if kv_cache is None else kv_cache.layers
         site_stats = {}
         record = self.recorder(site_stats if stats else None)
-        fast = self.fast_path(record)       # None: route() at every site
+        fast = self.fast_path(record if stats else None)       # None: route() at every site
         replace = self.mixing == 'replace'
 
         E = self.embed_tokens(idx)
@@ -457,8 +457,9 @@ class GPT(nn.Module):
                     stats[site.name] = routing_stats(alpha)
         return record
 
-    def fast_path(self, record):
-        """fast_routing.FastRouting for one forward pass, or None where this model routes with route() alone
+    def fast_path(self, record=None):
+        """fast_routing.FastRouting for one forward pass (record: called with each site's weights, or None: no
+        statistics, nothing computed for them), or None where this model routes with route() alone
         (fast_routing = False, or 'standard'). Before its first use for a configuration, a process checks that it
         computes what route() does (check_fast_routing)."""
         if not self.fast_routing or not self.sites:
@@ -466,7 +467,7 @@ class GPT(nn.Module):
         if not torch.compiler.is_compiling():
             check_fast_routing(self.config)
         return FastRouting(self.routing_parameters(), self.config.rms_norm_eps, self.routing_groups, self.routing_ops,
-                           record=lambda k, alpha: record(self.site_list[k], alpha))
+                           record=None if record is None else lambda k, alpha: record(self.site_list[k], alpha))
 
     # -------------------------------------------------------------------------
     # Training helpers, as in nanoGPT
