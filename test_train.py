@@ -609,6 +609,7 @@ def test_paper_configs(monkeypatch):
         assert (g['learning_rate'], g['min_lr'], g['warmup_iters'], g['lr_decay_iters']) == (lr, min_lr, warmup, 10000)
         assert g['out_dir'] == f'out/{residual}_{scale}'
         assert g['fsdp'] == g['activation_checkpointing'] == (scale == '8b')
+        assert g['compile_regional']        # a bounded first step under DDP (docs/training.md)
         if residual == 'standard':  # the parameter count the scale is named after (meta device: no memory)
             with torch.device('meta'):
                 model = GPT(GPTConfig(vocab_size=151936, n_layer=L, n_head=H, n_kv_head=KV, n_embd=d, head_dim=hd,
