@@ -282,9 +282,10 @@ class FastRouting:
         official variant's h - source) are fp32: stacked with BF16 sources they would make every two-phase stack
         fp32, twice the routing traffic. route() rounds them to BF16 anyway, where autocast feeds its logits'
         Linear and its mix's einsum."""
-        low = torch.get_autocast_dtype(sources[0].device.type) if torch.is_autocast_enabled(sources[0].device.type) \
-            else None
-        for s in sources[self.seen:]:
+        new = sources[self.seen:]
+        device = new[0].device.type if new else 'cpu'
+        low = torch.get_autocast_dtype(device) if new and torch.is_autocast_enabled(device) else None
+        for s in new:
             s = s.to(low) if low is not None and s.dtype == torch.float32 else s
             self.sources.append(s)
             if self.U is not None and self.next < len(self.U):     # (a source no later site reads needs no keys)
