@@ -21,6 +21,6 @@ n_blocks = 4
 head_dim = 64
 # torch.compile each layer's attention and MLP and the routing math apart (train.py's compile_regional) instead of the
 # whole model: under DDP the whole graph is cut at every gradient bucket and compiles for many minutes at 36 layers
-# (CPU, 2 gloo ranks, Delta AttnRes: more than 11 minutes against under 4 regionally), while at 12 layers both ran
-# at the same step speed (docs/training.md). --compile_regional=False compiles the model whole.
+# (CPU, 2 gloo ranks, Delta AttnRes: 16 minutes to the first step against 2 regionally), for steps 13% faster there
+# and as fast at 12 layers (docs/training.md). --compile_regional=False compiles the model whole.
 compile_regional = True
