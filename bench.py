@@ -375,7 +375,7 @@ def main():
     # progress on stderr (stdout holds the table or the JSON): building, compiling and warming up takes minutes on a GPU
     rows = [build(m, rt, x, y, ctx) for m, rt in tqdm(runs, desc=f"{'compile + ' if compile else ''}warm up", unit='model')]
     time_rounds(rows)
-    std = rows[0]       # standard, first
+    std = next(row for row in rows if row['mode'] == 'standard')    # the reference, wherever it is listed
     summarize(rows, std, peak_flops_here())
     setup = dict(device=torch.cuda.get_device_name(device) if device.startswith('cuda') else f'cpu ({torch.get_num_threads()} threads)',
                  torch=torch.__version__, dtype=dtype, compile=compile, compile_regional=compile_regional,
