@@ -453,7 +453,10 @@ def test_bench_compiles_every_row():
     models = 1 + 2 * len(ROUTED)        # standard, then every routed mode fast and naive
     assert len(rows) == models, [(r['mode'], r['routing']) for r in rows]
     counts = json.loads(out.stderr.splitlines()[-1])
-    assert counts == {'graphs': models, 'breaks': 0}, counts
+    assert counts == {'graphs': models, 'breaks': 0}, (
+        f"{models} models compiled to {counts['graphs']} dynamo graphs with {counts['breaks']} graph breaks, expected "
+        f"{models} and 0: fewer graphs means two modes compiled to one (modes with the same switches compute the "
+        f"same: test_model.py's test_reference_detects_other_source_sets names the pair)")
     assert 'recompile_limit' not in out.stderr
 
 
