@@ -35,10 +35,12 @@ import re
 import shlex
 import statistics
 import sys
+import textwrap
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import scipy.optimize
 import scipy.stats
 import torch
 
@@ -64,6 +66,7 @@ CONTRASTS = (('delta_attnres', 'full_attnres', 'add − replace, sublayer source
              ('full_attnres', 'attnres', 'sublayer − block sources, replace'),
              ('delta_attnres', 'delta_block', 'sublayer − block sources, add'))
 ALPHA = 0.05    # a claim is better or worse when its Holm-corrected paired-t p is below this (results/README.md)
+POWER = 0.8     # the chance of finding a true effect that the "smallest detectable effect" lines are computed for
 
 
 def load_run(path):
@@ -328,6 +331,59 @@ def holm(p):
     return adjusted
 
 
+def power_of(effect, sd, n, alpha):
+    """The chance that a two-sided paired t over n seeds at level alpha finds a true mean difference `effect` when
+    the per-seed differences spread with standard deviation sd (the noncentral t distribution)."""
+    if sd == 0:     # differences without spread: any true effect is found, none is "found" at the test's level
+        return 1.0 if effect else alpha
+    df, shift = n - 1, abs(effect) / sd * math.sqrt(n)
+    crit = scipy.stats.t.ppf(1 - alpha / 2, df)
+    wrong_sign = scipy.stats.nct.cdf(-crit, df, shift)     # below alpha / 2; scipy gives NaN for some large shifts
+    return scipy.stats.nct.sf(crit, df, shift) + (0.0 if math.isnan(wrong_sign) else wrong_sign)
+
+
+def detectable(sd, n, alpha, power=POWER):
+    """The smallest true effect that n paired seeds find with this power at level alpha."""
+    if sd == 0:
+        return 0.0
+    return scipy.optimize.brentq(lambda e: power_of(e, sd, n, alpha) - power, 1e-9 * sd, 1e3 * sd)
+
+
+def seeds_needed(effect, sd, alpha, power=POWER, most=10_000):
+    """The fewest paired seeds that find a true effect of this size with this power at level alpha."""
+    return next((n for n in range(2, most) if power_of(effect, sd, n, alpha) >= power), None)
+
+
+def family_spread(pairs):
+    """A family's claims with 3 seeds or more -> (their per-seed differences, the pooled SD of those (each claim's own
+    variance, weighted by its degrees of freedom), the fewest seeds of a claim, Holm's strictest level: ALPHA over
+    the number of claims, the level the family's smallest p must pass); None where no claim has 3 seeds."""
+    tested = [[diffs[s] for s in diffs] for _, diffs in pairs if len(diffs) > 2]
+    if not tested:
+        return None
+    sd = math.sqrt(sum((len(x) - 1) * statistics.variance(x) for x in tested) / sum(len(x) - 1 for x in tested))
+    return tested, sd, min(map(len, tested)), ALPHA / len(tested)
+
+
+def family_power(pairs, effect=None, unit='token'):
+    """One line under a family's table: the pooled SD of its claims, the smallest effect its seeds detect with POWER at
+    Holm's strictest level, and with `effect` the seeds that would detect that. None where no claim has 3 seeds."""
+    if not (fam := family_spread(pairs)):
+        return None
+    tested, sd, n, alpha = fam
+    line = (f"Power: the {len(tested)} claims' paired differences spread with a pooled SD of {sd:.4f} nats per {unit}; "
+            f"with {n} seeds a claim finds a true effect of {detectable(sd, n, alpha):.4f} or more with "
+            f"{POWER:.0%} power at Holm's strictest level ({ALPHA:g}/{len(tested)} = {alpha:.4f}), and smaller ones "
+            f"less often: a claim \"inside the noise\" cannot tell an effect below that from none.")
+    if effect:   # every claim should reach the power: from the claim whose differences spread the most
+        worst = max(statistics.stdev(x) for x in tested)
+        need = seeds_needed(effect, worst, alpha)
+        line += (f" An effect of {effect:g}: power {power_of(effect, sd, n, alpha):.0%} with {n} seeds at the pooled "
+                 f"SD; {POWER:.0%} for every claim needs {need if need else 'more than 10,000'} seeds at that level "
+                 f"(from the largest claim SD, {worst:.4f}).")
+    return line
+
+
 def paired_rows(pairs, verdicts=True):
     """Rows of (label, {seed: difference}): the differences per seed, their mean and 95% paired-t interval, the
     two-sided paired-t p (raw and Holm-corrected over the rows, one family) and the verdict: better (negative) or
@@ -370,9 +426,13 @@ def families(groups):
     return out
 
 
-def paired_table(groups):
-    """The families' claims, seed by seed, one table per family."""
-    tables = [markdown(['claim', *PAIRED_HEAD, 'p, Holm', 'verdict'], paired_rows(pairs)) for _, pairs in families(groups)]
+def paired_table(groups, effect=None, unit='token'):
+    """The families' claims, seed by seed, one table per family, each with its power line."""
+    tables = []
+    for _, pairs in families(groups):
+        tables.append(markdown(['claim', *PAIRED_HEAD, 'p, Holm', 'verdict'], paired_rows(pairs)))
+        if line := family_power(pairs, effect, unit):
+            tables[-1] += '\n\n' + line
     return '\n\n'.join(tables) or None
 
 
@@ -400,11 +460,16 @@ def grid_table(groups):
     for mode, losses in by_mode.items():
         mean = {lr: statistics.fmean(v) for lr, v in losses.items()}
         best[mode] = min(mean, key=mean.get)
-        if best[mode] in (min(mean), max(mean)):
+        # means over different seeds do not compare (a seed moves the loss as much as a rate does): no pick until
+        # every rate of the mode has run on the same number of seeds
+        complete = len({len(v) for v in losses.values()}) == 1
+        if best[mode] in (min(mean), max(mean)) or not complete:
             edges.append(mode)
         rows.append([mode] + [('—' if lr not in mean else f"**{mean[lr]:.4f}**" if lr == best[mode] else
                                f"{mean[lr]:.4f}") + (f" ({len(losses[lr])})" if lr in losses and len(losses[lr]) > 1 else '')
-                              for lr in lrs] + [f"{best[mode]:g}" + (' (edge)' if mode in edges else '')])
+                              for lr in lrs] + [f"{best[mode]:g}" + ('' if mode not in edges else ' (edge)' if complete
+                                                                      else ' (incomplete: seeds differ by rate)')])
+    best = {mode: lr for mode, lr in best.items() if len({len(v) for v in by_mode[mode].values()}) == 1}
     return markdown(['mode', *[f"lr {lr:g}" for lr in lrs], 'best'], rows), best, edges
 
 
@@ -463,6 +528,30 @@ def markdown(head, rows):
 # -----------------------------------------------------------------------------
 # the figures
 
+def token_unit(groups, data_root=None, unit=None):
+    """What the losses are nats per: `unit` where given (--unit), else 'byte' where every run is byte-level (the
+    demo corpus: a token is a byte, so its losses are per byte, not comparable with GPT-2 tokens' without a
+    conversion), else 'token'. A run's tokenizer is the one its log's first record names (train.py writes it); for
+    runs from before that, the one its dataset's meta.json on this machine names."""
+    if unit:
+        return unit
+    def tokenizer(run):
+        if recorded := next((r['tokenizer'] for r in run['records'] if 'tokenizer' in r), None):
+            return recorded
+        cfg = run['config']
+        meta = Path(data_root or cfg.get('data_root', 'data')) / str(cfg.get('dataset')) / 'meta.json'
+        try:
+            return json.loads(meta.read_text())['tokenizer']
+        except (OSError, ValueError, KeyError, TypeError):
+            return None     # not recorded, and the dataset is not on this machine: the unit is unknown, say 'token'
+    return 'byte' if all(tokenizer(r) == 'byte' for g in groups for r in g['runs']) else 'token'
+
+
+def wrap(text, width):
+    """A figure title broken into lines that fit (matplotlib cuts a long one off at the figure's edge)."""
+    return '\n'.join(textwrap.fill(line, width) for line in text.split('\n'))
+
+
 def seeds(group):
     n = len(group['runs'])
     return f"{n} seed{'s' * (n != 1)}"
@@ -475,7 +564,7 @@ def pyplot():
     return plt
 
 
-def plot_val_loss(groups, path, pretrained):
+def plot_val_loss(groups, path, pretrained, unit='token'):
     """All runs, full length and the second half (where the modes separate) zoomed in."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -498,7 +587,7 @@ def plot_val_loss(groups, path, pretrained):
         ax.set_xlabel('step')
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel('val loss (nats/token)')
+    axes[0].set_ylabel(f'val loss (nats per {unit})')
     axes[0].legend(fontsize=7)
     fig.suptitle(shape_and_budget(groups), fontsize=10)
     fig.tight_layout()
@@ -550,7 +639,7 @@ def plot_max_weight(groups, path):
     plt.close(fig)
 
 
-def plot_paired(groups, path):
+def plot_paired(groups, path, unit='token'):
     """The paired difference against standard (mean over seeds, each seed a dot) as a function of depth or else of
     training tokens, whichever the groups vary: one line per mode (and width, or depth). False if neither varies."""
     tokens = lambda c: c['max_iters'] * c['batch_size'] * c['block_size'] * c['gradient_accumulation_steps']
@@ -591,9 +680,9 @@ def plot_paired(groups, path):
         ax.axhline(0, color='k', lw=0.8)
         ax.set_xscale('log' if label == 'training tokens' else 'linear')
         ax.set_xlabel(label)
-        ax.set_ylabel('final val loss minus standard (same seed)')
-        ax.set_title(f'Each mode minus standard, same seed, by {label} (below 0: better; bars: 95% paired-t)\n'
-                     f'{shape_and_budget(groups)}', fontsize=9)
+        ax.set_ylabel(f'final val loss minus standard, same seed\n(nats per {unit})')
+        ax.set_title(wrap(f'Each mode minus standard, same seed, by {label} (below 0: better; bars: 95% paired-t)\n'
+                          f'{shape_and_budget(groups)}', 80), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -603,10 +692,12 @@ def plot_paired(groups, path):
     return False
 
 
-def plot_claims(groups, path):
+def plot_claims(groups, path, effect=None, unit='token'):
     """The paired table as a figure, one panel per family: each claim's per-seed differences (dots), their mean and
-    95% paired-t interval (bar), red where the verdict is better or worse. False if no claim has 3 seeds."""
-    fams = [(ref, pairs, paired_rows(pairs)) for ref, pairs in families(groups)]
+    95% paired-t interval (bar), red where the verdict is better or worse; dotted, ± the smallest effect the family's
+    seeds detect (its power line), and shaded ± `effect` where given. Conversion runs (fine-tuned from a checkpoint)
+    are left to plot_conversion. False if no claim has 3 seeds."""
+    fams = [(ref, pairs, paired_rows(pairs)) for ref, pairs in families(groups) if not is_conversion(ref['config'])]
     fams = [f for f in fams if any(len(d) > 2 for _, d in f[1])]
     if not fams:
         return False
@@ -623,12 +714,56 @@ def plot_claims(groups, path):
                 ax.hlines(y, ci.low, ci.high, color=color, lw=2.5)
             ax.plot([np.mean(d)], [y], marker='|', color='k', ms=12)
         ax.axvline(0, color='k', lw=0.8)
-        ax.set_yticks(range(len(pairs)), [label for label, _ in pairs], fontsize=7)
+        _, sd, n, alpha = family_spread(pairs)
+        mde = detectable(sd, n, alpha)
+        for x in (-mde, mde):
+            ax.axvline(x, color='k', ls=':', lw=1, label=f'± {mde:.3f}: the smallest effect these seeds detect '
+                       f'({POWER:.0%} power, Holm)' if x > 0 else None)
+        if effect:
+            ax.axvspan(-effect, effect, color='C2', alpha=0.15, label=f'± {effect:g}: the effect asked about')
+        ax.legend(fontsize=7, loc='upper center', bbox_to_anchor=(0.5, -0.1))    # below the axis: over no claim
+        ax.set_yticks(range(len(pairs)), [textwrap.fill(label, 45) for label, _ in pairs], fontsize=7)
         ax.invert_yaxis()
         ax.grid(axis='x', alpha=0.3)
-        ax.set_xlabel('final val loss difference, same seed (below 0: the first is better)', fontsize=8)
-        ax.set_title(f"Against {ref['label']} ({shape_and_budget([ref])}, {seeds(ref)})\nseeds: dots; mean: |; "
-                     f"bar: 95% paired-t interval; red: better or worse after Holm", fontsize=8)
+        ax.set_xlabel(f'final val loss difference, same seed, in nats per {unit} (below 0: the first is better)',
+                      fontsize=8)
+        ax.set_title(wrap(f"Against {ref['label']} ({shape_and_budget([ref])}, {seeds(ref)})\nseeds: dots; mean: |; "
+                          f"bar: 95% paired-t interval; red: better or worse after Holm", 90), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_conversion(groups, path, pretrained, unit='token'):
+    """Runs converted from a pretrained checkpoint: what the conversion does at once (each seed's val loss at step 0
+    minus the pretrained model's: the jump) and what remains at the end (each seed's final val loss minus the standard
+    fine-tune's of the same seed), one row per group, on a scale that shows a jump of 1 beside differences of 0.001.
+    False without conversion runs that evaluated step 0."""
+    conv = [g for g in groups if is_conversion(g['config']) and all(0 in r['val'] for r in g['runs'])]
+    if not conv:
+        return False
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 1.2 + 0.42 * len(conv)), sharey=True)
+    for y, g in enumerate(conv):
+        ref = pretrained.get(g['config']['init_from'])
+        std = [x for x in conv if x['config']['residual'] == 'standard'
+               and x['config']['init_from'] == g['config']['init_from']]
+        for ax, d in ((axes[0], [r['val'][0] - ref for r in g['runs']] if ref is not None else []),
+                      (axes[1], list(seed_diffs(g, std[0]).values()) if std and std[0] is not g else [])):
+            if d:
+                ax.scatter(d, [y] * len(d), color='C0', s=12, alpha=0.6)
+                ax.plot([np.mean(d)], [y], marker='|', color='k', ms=12)
+    for ax, title in zip(axes, ('at step 0: val loss minus the pretrained model\'s (the jump)',
+                                'at the end: final val loss minus the standard fine-tune\'s, same seed')):
+        ax.axvline(0, color='k', lw=0.8)
+        ax.set_xscale('symlog', linthresh=0.01)   # linear within ±0.01, logarithmic beyond
+        ax.grid(axis='x', alpha=0.3)
+        ax.set_title(wrap(title, 55), fontsize=8)
+        ax.set_xlabel(f'nats per {unit} (linear within ±0.01, log beyond)', fontsize=8)
+    axes[0].set_yticks(range(len(conv)), [textwrap.fill(g['label'], 40) for g in conv], fontsize=7)
+    axes[0].invert_yaxis()
+    fig.suptitle(wrap(f"Conversion ({shape_and_budget(conv)}): seeds: dots; mean: |", 100), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -653,7 +788,7 @@ def plot_heatmap(title, stats, path):
     ax.set_xticks(range(n_src), ['E'] + [str(i) for i in range(1, n_src)], fontsize=7)
     ax.set_xlabel('source: E, then sublayer outputs or blocks\n(block modes as in the paper: the last one a site sees is the open block)', fontsize=7)
     ax.set_ylabel('routing site')
-    ax.set_title(f'mean routing weights: {title}', fontsize=9)
+    ax.set_title(wrap(f'mean routing weights: {title}', 60), fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -688,18 +823,21 @@ MAIN_CAPTION = (
     "than one source, and over the deepest third of them; measured with {how}; mean ± std over seeds. Uniform 1/N: "
     "what a uniform mix would give there (the mean over the deepest third of 1/N, N a site's sources).")
 PAIRED_CAPTION = (
-    "Δ: the final val loss of the claim's first run minus its second's with the same seed (the same initial weights "
-    "and batches); negative: the first is better. 95% interval and p: paired t over the seeds; the claims of one "
-    "table are one family, their p Holm-corrected. Verdict: better or worse where the corrected p is below "
-    f"{ALPHA}; otherwise inside the noise.")
+    "Δ: the final val loss of the claim's first run minus its second's with the same seed (the same batches; the "
+    "same initial weights only in runs of code from commit 75ef817 on, model.query: before it, a routed mode drew its "
+    "queries from the random generator and every later tensor differed); negative: the first is better. 95% interval "
+    "and p: paired t over the seeds; the claims of one table are one family, their p Holm-corrected. Verdict: better "
+    f"or worse where the corrected p is below {ALPHA}; otherwise inside the noise: this many seeds cannot tell (the "
+    "power line says what they could have found).")
 SCALE_CAPTION = ("Δ: the final val loss minus that of the same mode and settings at the next smaller {axis}, with the "
                  "same seed (the same batches); negative: the {larger} model is better. Intervals and raw p, no verdict.")
 GRID_CAPTION = ("Final val loss at each peak learning rate (mean over the grid's seeds, their number in brackets where "
                 "more than one), the best in bold; '(edge)': the best is the grid's smallest or largest rate, so the "
-                "grid should be extended. The chosen rates: best_lr.txt (with --out).")
+                "grid should be extended; '(incomplete)': its rates ran on different numbers of seeds, so no pick yet. "
+                "The chosen rates: best_lr.txt (with --out; no line for an incomplete mode).")
 
 
-def tables(runs, groups, args):
+def tables(runs, groups, args, unit='token'):
     """The report's markdown: the main table, the paired and depth tables (or the learning-rate grid), the wall time,
     the machines and commits, the conversion table -> (text, pretrained losses, {mode: best lr} or None)."""
     how = (f"forward passes of each run's final checkpoint on {args.batches} val batches of its dataset"
@@ -710,7 +848,7 @@ def tables(runs, groups, args):
         grid, best, edges = grid_table(groups)
         text += ['', '### Learning-rate grid', '', grid, '', GRID_CAPTION]
     else:
-        for title, table, caption in (('Paired, seed by seed', paired_table(groups), PAIRED_CAPTION),
+        for title, table, caption in (('Paired, seed by seed', paired_table(groups, args.effect, unit), PAIRED_CAPTION),
                                       ('Deeper against shallower, seed by seed', scale_table(groups, 'depth'),
                                        SCALE_CAPTION.format(axis='depth', larger='deeper')),
                                       ('Wider against narrower, seed by seed', scale_table(groups, 'width'),
@@ -768,7 +906,7 @@ def make_groups(runs):
     return groups
 
 
-def write_out(out, text, groups, pretrained, best, argv, figures):
+def write_out(out, text, groups, pretrained, best, argv, figures, effect=None, unit='token'):
     """table.md (with the command, machine and time that made it), best_lr.txt for a grid, and the figures."""
     out.mkdir(parents=True, exist_ok=True)
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ''
@@ -781,18 +919,21 @@ def write_out(out, text, groups, pretrained, best, argv, figures):
         written.append('best_lr.txt')
     if figures:
         written.append('val_loss.png')
-        plot_val_loss(groups, out / 'val_loss.png', pretrained)
-        if plot_paired(groups, out / 'paired.png'):
+        plot_val_loss(groups, out / 'val_loss.png', pretrained, unit)
+        if plot_paired(groups, out / 'paired.png', unit):
             written.append('paired.png')
-        if plot_claims(groups, out / 'claims.png'):
+        if plot_claims(groups, out / 'claims.png', effect, unit):
             written.append('claims.png')
+        if plot_conversion(groups, out / 'conversion.png', pretrained, unit):
+            written.append('conversion.png')
         if any(g['summary']['stats'] for g in groups):
             written.append('max_weight.png')
             plot_max_weight(groups, out / written[-1])
         for g in groups:
             if g['summary']['stats']:
                 written.append(f"heatmap_{re.sub(r'[^A-Za-z0-9.-]+', '_', g['label']).strip('_')}.png")
-                plot_heatmap(f"{g['label']}, mean of {seeds(g)}", g['summary']['stats'], out / written[-1])
+                shape = f"{g['config']['n_layer']} layers × width {g['config']['n_embd']}"
+                plot_heatmap(f"{g['label']} ({shape}), mean of {seeds(g)}", g['summary']['stats'], out / written[-1])
     print(f"wrote {', '.join(written)} to {out}", file=sys.stderr)
 
 
@@ -815,6 +956,10 @@ def parse_args(argv):
     ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', help='for --routing=val')
     ap.add_argument('--baseline', type=float, help="the pretrained model's val loss, for the conversion table "
                                                    "(default: the standard fine-tune's loss at step 0)")
+    ap.add_argument('--unit', choices=['byte', 'token'], help="what the losses are nats per (default: 'byte' where "
+                    "every run's tokenizer is byte-level, from its log or its dataset's meta.json, else 'token')")
+    ap.add_argument('--effect', type=float, help="an effect size (a difference of final val loss) to ask about: the "
+                    "seeds each family needs to detect it, and a band of ± it in claims.png")
     ap.add_argument('--recover_pct', type=float, default=1.0, help='conversion: "recovered" = within this %% of the baseline')
     return ap.parse_args(argv)
 
@@ -836,10 +981,11 @@ def main(argv=None):
         saved = [save_run(r, args.save_runs) for r in runs]
         print(f"saved {len(saved)} runs to {args.save_runs}", file=sys.stderr)
     groups = make_groups(runs)
-    text, pretrained, best = tables(runs, groups, args)
+    unit = token_unit(groups, args.data_root, args.unit)
+    text, pretrained, best = tables(runs, groups, args, unit)
     print(text)
     if args.out:
-        write_out(Path(args.out), text, groups, pretrained, best, argv, args.figures)
+        write_out(Path(args.out), text, groups, pretrained, best, argv, args.figures, args.effect, unit)
 
 
 if __name__ == '__main__':

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.stats
 import torch
 
 import report
@@ -195,8 +196,9 @@ def test_grouping_and_conversion_table(tmp_path, capsys):
     report.main(dirs + ['--routing=log', '--baseline=3.5', '--recover_pct=0'] + ['--out', str(tmp_path / 'fig')] * plots)
     table = {r['run']: r for r in parse(capsys.readouterr().out.split('### Conversion')[1].strip())}
     assert table[f'attnres {base}']['back within 0% of the pretrained loss at step'] == '100'
-    if plots:   # one heatmap per routed group, from the logged routing
+    if plots:   # one heatmap per routed group, from the logged routing; the conversion's jump and end, seed by seed
         assert len(list((tmp_path / 'fig').glob('heatmap_*.png'))) == 3
+        assert is_png(tmp_path / 'fig' / 'conversion.png')
         assert all(is_png(p) for p in (tmp_path / 'fig').glob('*.png'))
 
 
@@ -306,6 +308,28 @@ def test_paired_differences_against_standard_seed_by_seed(tmp_path, capsys):
     if plots:
         assert is_png(tmp_path / 'fig' / 'paired.png')
         assert is_png(tmp_path / 'fig' / 'claims.png')      # the 12-layer family has claims of 3 seeds
+    # under the family's table, its power: the pooled SD of the three tested claims, and what 3 seeds detect at
+    # Holm's strictest level, 0.05 / 3
+    sd = math.sqrt(np.mean([np.var(v, ddof=1) for v in d.values()]))
+    line = next(l for l in paired.splitlines() if l.startswith('Power:'))
+    assert f"pooled SD of {sd:.4f} nats per token" in line and "(0.05/3 = 0.0167)" in line
+    assert f"effect of {report.detectable(sd, 3, 0.05 / 3):.4f} or more" in line
+
+
+def test_power_agrees_with_the_textbook_and_a_simulation():
+    # a one-sample (paired) two-sided t at 5%: an effect of half an SD needs 34 pairs for 80% power (G*Power's table)
+    assert report.seeds_needed(0.5, 1.0, 0.05) == 34
+    assert report.power_of(0.5, 1.0, 33, 0.05) < 0.8 <= report.power_of(0.5, 1.0, 34, 0.05)
+    # the smallest effect 5 seeds detect at Holm's strictest level of 9 claims: simulated, 80% of the tests find it
+    sd, n, alpha = 0.0157, 5, 0.05 / 9
+    effect = report.detectable(sd, n, alpha)
+    draws = np.random.default_rng(0).normal(effect, sd, size=(40_000, n))
+    found = (scipy.stats.ttest_1samp(draws, 0.0, axis=1).pvalue < alpha).mean()
+    assert abs(found - 0.8) < 0.01, (effect, found)
+    # study v3's design (results/README.md, "Pilot, then N"): seeds for 0.008 at 0.025 from a pilot SD of
+    # 0.0157 (v2's), 0.010 and 0.0075, and what the cap's 41 seeds detect at v2's SD
+    assert [report.seeds_needed(0.008, sd, 0.025) for sd in (0.0157, 0.010, 0.0075)] == [40, 18, 12]
+    assert round(report.detectable(0.0157, 41, 0.025), 4) == 0.0078
 
 
 def test_each_mode_at_its_own_learning_rate_and_the_grid(tmp_path, capsys):
@@ -342,6 +366,21 @@ def test_each_mode_at_its_own_learning_rate_and_the_grid(tmp_path, capsys):
     rows = parse(capsys.readouterr().out.split('### Deeper against shallower, seed by seed')[1].strip())
     assert [(r['run − shallower'].split(' ')[0], r['Δ val loss per seed']) for r in rows] == \
         [('standard', '-0.1000 -0.1000 -0.1000')]
+
+
+def test_a_grid_picks_no_rate_from_means_over_different_seeds(tmp_path, capsys):
+    # three tuning seeds for delta_block at every rate; standard's 6e-3 lacks seed 102. Over seeds 100-101 alone 6e-3
+    # would win (1.95 against 2.00), over all it does not: a mean over fewer seeds is no pick
+    loss = {('standard', 3e-3): [2.00, 2.00, 2.00], ('standard', 6e-3): [1.95, 1.95],
+            ('delta_block', 3e-3): [2.02, 2.04, 2.00], ('delta_block', 6e-3): [2.00, 2.01, 2.02]}
+    dirs = [fake_run(tmp_path / f'{m}_{lr}_{s}', s, {0: 5.0, 100: v}, dict(residual=m, learning_rate=lr, min_lr=lr / 10))
+            for (m, lr), vs in loss.items() for s, v in zip((100, 101, 102), vs)]
+    report.main(dirs + ['--routing=log', '--grid', '--out', str(tmp_path / 'grid'), '--no-figures'])
+    rows = {r['mode']: r for r in parse(capsys.readouterr().out.split('### Learning-rate grid')[1].strip())}
+    assert rows['standard']['lr 0.003'] == '2.0000 (3)' and rows['standard']['lr 0.006'] == '**1.9500** (2)'
+    assert rows['standard']['best'] == '0.006 (incomplete: seeds differ by rate)'
+    assert rows['delta_block']['lr 0.003'] == '2.0200 (3)' and rows['delta_block']['best'] == '0.006 (edge)'
+    assert (tmp_path / 'grid' / 'best_lr.txt').read_text() == 'delta_block 0.006\n'
 
 
 def test_deeper_against_shallower_seed_by_seed(tmp_path, capsys):
@@ -406,3 +445,21 @@ def test_every_committed_table_regenerates(tmp_path, monkeypatch):
         out = tmp_path / str(i)
         report.main([a for a in argv if not a.startswith('--out') and a != '--no-figures'] + [f'--out={out}', '--no-figures'])
         assert (out / 'table.md').read_text().split('\n', 1)[1] == body, table
+
+
+def test_the_loss_unit_comes_from_the_runs_not_from_this_machines_data(runs, tmp_path):
+    # a run's log names its dataset's tokenizer, so a report made where the data is absent (CI, a saved run) still
+    # says nats per byte for byte-level runs; runs that recorded none fall back to the dataset's meta.json, then 'token'
+    loaded = [report.load_run(runs[k]) for k in sorted(runs)]
+    assert all(read_log(runs[k])[0]['tokenizer'] == 'byte' for k in runs)
+    groups = report.make_groups(loaded)
+    nowhere = tmp_path / 'no_data'
+    assert report.token_unit(groups, data_root=nowhere) == 'byte'
+    assert report.token_unit(groups, data_root=nowhere, unit='token') == 'token'
+    for run in loaded:      # as a run from before the tokenizer was recorded
+        run['records'] = [{k: v for k, v in r.items() if k != 'tokenizer'} for r in run['records']]
+    assert report.token_unit(groups, data_root=nowhere) == 'token'
+    dataset = nowhere / loaded[0]['config']['dataset']
+    dataset.mkdir(parents=True)
+    (dataset / 'meta.json').write_text(json.dumps(dict(tokenizer='byte')))
+    assert report.token_unit(groups, data_root=nowhere) == 'byte'

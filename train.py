@@ -319,7 +319,7 @@ if master:  # an earlier run's checkpoints and log, with overwrite=True (runs.st
 
 # logging: a compact line on stdout, every number in out_dir/log.jsonl
 log_path = open_log(out_dir, iter_num if init_from == 'resume' else None,
-                    dict(step=iter_num, provenance=run_info)) if master else None
+                    dict(step=iter_num, provenance=run_info, tokenizer=meta['tokenizer'])) if master else None
 if wandb_log and master:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config)
