@@ -384,10 +384,12 @@ def family_power(pairs, effect=None, unit='token'):
     return line
 
 
-def paired_rows(pairs, verdicts=True):
+def paired_rows(pairs, verdicts=True, margin=None):
     """Rows of (label, {seed: difference}): the differences per seed, their mean and 95% paired-t interval, the
     two-sided paired-t p (raw and Holm-corrected over the rows, one family) and the verdict: better (negative) or
-    worse where the corrected p is below ALPHA, otherwise inside the noise (verdicts=False: intervals only)."""
+    worse where the corrected p is below ALPHA, otherwise inside the noise (verdicts=False: intervals only). With a
+    margin m, a claim that is neither is "equivalent within ±m" where its 1 - 2 ALPHA (90%) paired-t interval lies
+    inside (-m, +m) (two one-sided tests at ALPHA), else "cannot tell"."""
     rows, tests = [], []
     for label, diffs in pairs:
         d = [diffs[s] for s in sorted(diffs)]
@@ -404,33 +406,43 @@ def paired_rows(pairs, verdicts=True):
             p = corrected.get(i)
             row += ['—' if p is None else f"{p:.3f}",
                     'fewer than 3 seeds' if p is None else ('better' if tests[i].statistic < 0 else 'worse')
-                    if p < ALPHA else 'inside the noise']
+                    if p < ALPHA else 'inside the noise' if margin is None else equivalence(tests[i], margin)]
     return rows
+
+
+def equivalence(test, margin):
+    """The verdict of a claim that is neither better nor worse, given an equivalence margin (paired_rows)."""
+    ci = test.confidence_interval(1 - 2 * ALPHA)
+    inside = -margin < ci.low and ci.high < margin
+    return (f"equivalent within ±{margin:g}" if inside else "cannot tell") + f" (90%: [{ci.low:+.4f}, {ci.high:+.4f}])"
 
 
 PAIRED_HEAD = ['seeds', 'Δ val loss per seed', 'mean', '95% interval', 'p']
 
 
-def families(groups):
+def families(groups, claims=None):
     """[(standard group, [(claim, {seed: difference})])]: each mode against the standard group of the same settings,
-    and the 2x2 contrasts; the claims against one standard group are one family (Holm)."""
+    and the 2x2 contrasts; the claims against one standard group are one family (Holm). claims: only these, as
+    (first mode, second mode) pairs, e.g. {('delta_attnres', 'standard')} (a study's pre-registered contrasts)."""
+    wanted = lambda a, b: claims is None or (a, b) in claims
     out = []
     for ref in [g for g in groups if g['config']['residual'] == 'standard']:
         mine = [g for g in groups if g is not ref and baseline_of(g, groups) is ref]
-        pairs = [(g['label'], d) for g in mine if (d := seed_diffs(g, ref))]
+        pairs = [(g['label'], d) for g in mine if wanted(g['config']['residual'], 'standard')
+                 and (d := seed_diffs(g, ref))]
         paper = {g['config']['residual']: g for g in mine if g['config']['variant'] == 'paper'}
         pairs += [(f"{a} − {b} ({what})", d) for a, b, what in CONTRASTS
-                  if a in paper and b in paper and (d := seed_diffs(paper[a], paper[b]))]
+                  if a in paper and b in paper and wanted(a, b) and (d := seed_diffs(paper[a], paper[b]))]
         if pairs:
             out.append((ref, pairs))
     return out
 
 
-def paired_table(groups, effect=None, unit='token'):
+def paired_table(groups, effect=None, unit='token', margin=None, claims=None):
     """The families' claims, seed by seed, one table per family, each with its power line."""
     tables = []
-    for _, pairs in families(groups):
-        tables.append(markdown(['claim', *PAIRED_HEAD, 'p, Holm', 'verdict'], paired_rows(pairs)))
+    for _, pairs in families(groups, claims):
+        tables.append(markdown(['claim', *PAIRED_HEAD, 'p, Holm', 'verdict'], paired_rows(pairs, margin=margin)))
         if line := family_power(pairs, effect, unit):
             tables[-1] += '\n\n' + line
     return '\n\n'.join(tables) or None
@@ -692,12 +704,13 @@ def plot_paired(groups, path, unit='token'):
     return False
 
 
-def plot_claims(groups, path, effect=None, unit='token'):
+def plot_claims(groups, path, effect=None, unit='token', claims=None):
     """The paired table as a figure, one panel per family: each claim's per-seed differences (dots), their mean and
     95% paired-t interval (bar), red where the verdict is better or worse; dotted, ± the smallest effect the family's
     seeds detect (its power line), and shaded ± `effect` where given. Conversion runs (fine-tuned from a checkpoint)
     are left to plot_conversion. False if no claim has 3 seeds."""
-    fams = [(ref, pairs, paired_rows(pairs)) for ref, pairs in families(groups) if not is_conversion(ref['config'])]
+    fams = [(ref, pairs, paired_rows(pairs)) for ref, pairs in families(groups, claims)
+            if not is_conversion(ref['config'])]
     fams = [f for f in fams if any(len(d) > 2 for _, d in f[1])]
     if not fams:
         return False
@@ -829,6 +842,9 @@ PAIRED_CAPTION = (
     "and p: paired t over the seeds; the claims of one table are one family, their p Holm-corrected. Verdict: better "
     f"or worse where the corrected p is below {ALPHA}; otherwise inside the noise: this many seeds cannot tell (the "
     "power line says what they could have found).")
+MARGIN_CAPTION = (" With an equivalence margin of ±{m:g} (--margin), a claim neither better nor worse is "
+                  "equivalent within ±{m:g} where its 90% paired-t interval (shown) lies inside (−{m:g}, +{m:g}): two "
+                  "one-sided tests at 0.05; otherwise cannot tell.")
 SCALE_CAPTION = ("Δ: the final val loss minus that of the same mode and settings at the next smaller {axis}, with the "
                  "same seed (the same batches); negative: the {larger} model is better. Intervals and raw p, no verdict.")
 GRID_CAPTION = ("Final val loss at each peak learning rate (mean over the grid's seeds, their number in brackets where "
@@ -848,13 +864,16 @@ def tables(runs, groups, args, unit='token'):
         grid, best, edges = grid_table(groups)
         text += ['', '### Learning-rate grid', '', grid, '', GRID_CAPTION]
     else:
-        for title, table, caption in (('Paired, seed by seed', paired_table(groups, args.effect, unit), PAIRED_CAPTION),
+        for title, table, caption in (('Paired, seed by seed', paired_table(groups, args.effect, unit, args.margin, args.claims),
+                                       PAIRED_CAPTION),
                                       ('Deeper against shallower, seed by seed', scale_table(groups, 'depth'),
                                        SCALE_CAPTION.format(axis='depth', larger='deeper')),
                                       ('Wider against narrower, seed by seed', scale_table(groups, 'width'),
                                        SCALE_CAPTION.format(axis='width', larger='wider'))):
             if table:
                 text += ['', f'### {title}', '', table, '', caption]
+                if title.startswith('Paired') and args.margin:
+                    text[-1] += MARGIN_CAPTION.format(m=args.margin)
     timed = [r['seconds'] for r in runs if r['seconds'] is not None]
     if timed:
         text += ['', f"Wall time: {len(timed)} of the {len(runs)} runs recorded theirs (OUT_DIR/seconds), "
@@ -906,7 +925,7 @@ def make_groups(runs):
     return groups
 
 
-def write_out(out, text, groups, pretrained, best, argv, figures, effect=None, unit='token'):
+def write_out(out, text, groups, pretrained, best, argv, figures, effect=None, unit='token', claims=None):
     """table.md (with the command, machine and time that made it), best_lr.txt for a grid, and the figures."""
     out.mkdir(parents=True, exist_ok=True)
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ''
@@ -922,7 +941,7 @@ def write_out(out, text, groups, pretrained, best, argv, figures, effect=None, u
         plot_val_loss(groups, out / 'val_loss.png', pretrained, unit)
         if plot_paired(groups, out / 'paired.png', unit):
             written.append('paired.png')
-        if plot_claims(groups, out / 'claims.png', effect, unit):
+        if plot_claims(groups, out / 'claims.png', effect, unit, claims):
             written.append('claims.png')
         if plot_conversion(groups, out / 'conversion.png', pretrained, unit):
             written.append('conversion.png')
@@ -935,6 +954,15 @@ def write_out(out, text, groups, pretrained, best, argv, figures, effect=None, u
                 shape = f"{g['config']['n_layer']} layers × width {g['config']['n_embd']}"
                 plot_heatmap(f"{g['label']} ({shape}), mean of {seeds(g)}", g['summary']['stats'], out / written[-1])
     print(f"wrote {', '.join(written)} to {out}", file=sys.stderr)
+
+
+def claim_pairs(text):
+    """'a-b,c-d' -> {('a', 'b'), ('c', 'd')}: mode names joined by '-' (--claims)."""
+    pairs = {tuple(c.strip().split('-')) for c in text.split(',') if c.strip()}
+    if not pairs or any(len(p) != 2 or not set(p) <= set(RESIDUAL_MODES) for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected pairs of modes from {', '.join(RESIDUAL_MODES)} as 'a-b,c-d', "
+                                         f"got {text!r}")
+    return pairs
 
 
 def parse_args(argv):
@@ -956,6 +984,11 @@ def parse_args(argv):
     ap.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', help='for --routing=val')
     ap.add_argument('--baseline', type=float, help="the pretrained model's val loss, for the conversion table "
                                                    "(default: the standard fine-tune's loss at step 0)")
+    ap.add_argument('--margin', type=float, help="an equivalence margin m: a claim neither better nor worse is "
+                    "'equivalent within ±m' where its 90%% paired-t interval lies inside (-m, +m), else 'cannot tell'")
+    ap.add_argument('--claims', type=claim_pairs, help="the paired claims to test, and Holm over, e.g. "
+                    "'delta_attnres-standard,delta_attnres-full_attnres' (default: every mode against standard and "
+                    "the 2x2 contrasts)")
     ap.add_argument('--unit', choices=['byte', 'token'], help="what the losses are nats per (default: 'byte' where "
                     "every run's tokenizer is byte-level, from its log or its dataset's meta.json, else 'token')")
     ap.add_argument('--effect', type=float, help="an effect size (a difference of final val loss) to ask about: the "
@@ -985,7 +1018,7 @@ def main(argv=None):
     text, pretrained, best = tables(runs, groups, args, unit)
     print(text)
     if args.out:
-        write_out(Path(args.out), text, groups, pretrained, best, argv, args.figures, args.effect, unit)
+        write_out(Path(args.out), text, groups, pretrained, best, argv, args.figures, args.effect, unit, args.claims)
 
 
 if __name__ == '__main__':

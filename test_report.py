@@ -463,3 +463,35 @@ def test_the_loss_unit_comes_from_the_runs_not_from_this_machines_data(runs, tmp
     dataset.mkdir(parents=True)
     (dataset / 'meta.json').write_text(json.dumps(dict(tokenizer='byte')))
     assert report.token_unit(groups, data_root=nowhere) == 'byte'
+
+
+def test_an_equivalence_margin_and_the_claims_a_study_registered(runs, capsys):
+    # --margin: a claim that is neither better nor worse is equivalent within ±m exactly where two one-sided t tests
+    # at 0.05 both reject (computed here with scipy's one-sided tests, not the interval report.py uses)
+    rng = np.random.default_rng(0)
+    for center, spread in ((0.001, 0.002), (0.004, 0.003), (0.0, 0.02), (0.006, 0.001), (-0.03, 0.004)):
+        d = list(center + spread * rng.standard_normal(6))
+        row = report.paired_rows([('claim', dict(enumerate(d)))], margin=0.008)[0]
+        lower = scipy.stats.ttest_1samp(d, -0.008, alternative='greater').pvalue
+        upper = scipy.stats.ttest_1samp(d, 0.008, alternative='less').pvalue
+        if scipy.stats.ttest_1samp(d, 0.0).pvalue < 0.05:
+            assert row[-1] in ('better', 'worse')
+        elif max(lower, upper) < 0.05:
+            assert row[-1].startswith('equivalent within ±0.008 (90%: ['), (center, spread, row[-1])
+        else:
+            assert row[-1].startswith('cannot tell (90%: ['), (center, spread, row[-1])
+    verdicts = [report.paired_rows([('c', dict(enumerate(c + s * rng.standard_normal(6))))], margin=0.008)[0][-1]
+                for c, s in ((0.001, 0.002), (0.0, 0.02))]
+    assert verdicts[0].startswith('equivalent') and verdicts[1].startswith('cannot tell')   # both kinds were met
+    assert report.paired_rows([('c', {0: 0.01, 1: -0.01, 2: 0.02})])[0][-1] == 'inside the noise'    # no margin
+
+    # --claims: only the registered contrasts are tested, and Holm runs over them alone
+    groups = report.make_groups([report.load_run(runs[k]) for k in sorted(runs)])
+    assert [len(p) for _, p in report.families(groups)] == [1]
+    assert [len(p) for _, p in report.families(groups, {('delta_block', 'standard')})] == [1]
+    assert report.families(groups, {('delta_attnres', 'standard')}) == []
+    assert report.parse_args(['x', '--claims=delta_attnres-standard,delta_attnres-full_attnres']).claims == \
+        {('delta_attnres', 'standard'), ('delta_attnres', 'full_attnres')}
+    with pytest.raises(SystemExit):
+        report.parse_args(['x', '--claims=delta_attnres-nonsense'])
+    assert "expected pairs of modes" in capsys.readouterr().err

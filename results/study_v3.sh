@@ -10,6 +10,12 @@
 #             sitting, on one CPU type)                                                              3N runs
 # A grid whose best is at an edge (report.py --grid marks it) is extended by the next factor of 2 on all three tuning
 # seeds: EXTEND="mode:lr ..." adds those runs to the grid part.
+# The tables, from the saved runs (report.py):
+#   grid      python report.py results/runs/v3_grid/*.json --grid --unit=byte --out=results/study_v3/grid
+#   pilot     python report.py results/runs/v3_pilot/*.json --claims=delta_attnres-standard,delta_attnres-full_attnres \
+#                 --unit=byte --effect=0.008 --out=results/study_v3/pilot        (its Power line: the SD that fixes N)
+#   verdict   python report.py results/runs/v3_verdict/*.json --claims=delta_attnres-standard,delta_attnres-full_attnres \
+#                 --margin=0.008 --unit=byte --effect=0.008 --out=results/study_v3/verdict
 # [SEEDS=...] bash results/study_v3.sh [PART ...]; JOBS runs at a time, one thread each (results/study_runs.sh). A
 # finished run is saved in results/runs/v3_<part>/ and skipped from then on, so the script can be stopped and started
 # again. Verdict runs must come from a clean commit (train.py records the dirty files; report.py names them).
