@@ -864,16 +864,15 @@ def tables(runs, groups, args, unit='token'):
         grid, best, edges = grid_table(groups)
         text += ['', '### Learning-rate grid', '', grid, '', GRID_CAPTION]
     else:
-        for title, table, caption in (('Paired, seed by seed', paired_table(groups, args.effect, unit, args.margin, args.claims),
-                                       PAIRED_CAPTION),
+        paired = paired_table(groups, args.effect, unit, args.margin, args.claims)
+        caption = PAIRED_CAPTION + (MARGIN_CAPTION.format(m=args.margin) if args.margin else '')
+        for title, table, caption in (('Paired, seed by seed', paired, caption),
                                       ('Deeper against shallower, seed by seed', scale_table(groups, 'depth'),
                                        SCALE_CAPTION.format(axis='depth', larger='deeper')),
                                       ('Wider against narrower, seed by seed', scale_table(groups, 'width'),
                                        SCALE_CAPTION.format(axis='width', larger='wider'))):
             if table:
                 text += ['', f'### {title}', '', table, '', caption]
-                if title.startswith('Paired') and args.margin:
-                    text[-1] += MARGIN_CAPTION.format(m=args.margin)
     timed = [r['seconds'] for r in runs if r['seconds'] is not None]
     if timed:
         text += ['', f"Wall time: {len(timed)} of the {len(runs)} runs recorded theirs (OUT_DIR/seconds), "

@@ -492,6 +492,8 @@ def test_an_equivalence_margin_and_the_claims_a_study_registered(runs, capsys):
     assert report.families(groups, {('delta_attnres', 'standard')}) == []
     assert report.parse_args(['x', '--claims=delta_attnres-standard,delta_attnres-full_attnres']).claims == \
         {('delta_attnres', 'standard'), ('delta_attnres', 'full_attnres')}
+    report.main([str(runs[k]) for k in sorted(runs)] + ['--claims=delta_block-standard', '--margin=0.008'])
+    assert 'With an equivalence margin of ±0.008 (--margin)' in capsys.readouterr().out
     with pytest.raises(SystemExit):
         report.parse_args(['x', '--claims=delta_attnres-nonsense'])
     assert "expected pairs of modes" in capsys.readouterr().err
