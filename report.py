@@ -956,11 +956,13 @@ def write_out(out, text, groups, pretrained, best, argv, figures, effect=None, u
 
 
 def claim_pairs(text):
-    """'a-b,c-d' -> {('a', 'b'), ('c', 'd')}: mode names joined by '-' (--claims)."""
+    """'a-b,c-d' -> {('a', 'b'), ('c', 'd')} (--claims): claims the paired table makes, a mode against standard or one
+    of CONTRASTS, written as their modes joined by '-'."""
+    known = {(m, 'standard') for m in RESIDUAL_MODES if m != 'standard'} | {(a, b) for a, b, _ in CONTRASTS}
     pairs = {tuple(c.strip().split('-')) for c in text.split(',') if c.strip()}
-    if not pairs or any(len(p) != 2 or not set(p) <= set(RESIDUAL_MODES) for p in pairs):
-        raise argparse.ArgumentTypeError(f"expected pairs of modes from {', '.join(RESIDUAL_MODES)} as 'a-b,c-d', "
-                                         f"got {text!r}")
+    if not pairs or not pairs <= known:
+        raise argparse.ArgumentTypeError(f"expected claims from {', '.join(sorted('-'.join(k) for k in known))}, "
+                                         f"joined by commas; got {text!r}")
     return pairs
 
 

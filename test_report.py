@@ -494,6 +494,7 @@ def test_an_equivalence_margin_and_the_claims_a_study_registered(runs, capsys):
         {('delta_attnres', 'standard'), ('delta_attnres', 'full_attnres')}
     report.main([str(runs[k]) for k in sorted(runs)] + ['--claims=delta_block-standard', '--margin=0.008'])
     assert 'With an equivalence margin of ±0.008 (--margin)' in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        report.parse_args(['x', '--claims=delta_attnres-nonsense'])
-    assert "expected pairs of modes" in capsys.readouterr().err
+    for wrong in ('delta_attnres-nonsense', 'standard-delta_attnres', 'attnres-delta_attnres'):  # unknown, or no claim
+        with pytest.raises(SystemExit):
+            report.parse_args(['x', f'--claims={wrong}'])
+        assert "expected claims from attnres-standard, delta_attnres-delta_block" in capsys.readouterr().err
