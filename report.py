@@ -46,6 +46,7 @@ import torch
 
 from checks import InvalidValue, Missing
 from checkpoints import trained_checkpoint
+from data import load_meta
 from model import RESIDUAL_MODES
 from runs import read_log, read_state
 
@@ -551,10 +552,9 @@ def token_unit(groups, data_root=None, unit=None):
         if recorded := next((r['tokenizer'] for r in run['records'] if 'tokenizer' in r), None):
             return recorded
         cfg = run['config']
-        meta = Path(data_root or cfg.get('data_root', 'data')) / str(cfg.get('dataset')) / 'meta.json'
         try:
-            return json.loads(meta.read_text())['tokenizer']
-        except (OSError, ValueError, KeyError, TypeError):
+            return load_meta(os.path.join(data_root or cfg.get('data_root', 'data'), str(cfg.get('dataset'))))['tokenizer']
+        except (Missing, InvalidValue):
             return None     # not recorded, and the dataset is not on this machine: the unit is unknown, say 'token'
     return 'byte' if all(tokenizer(r) == 'byte' for g in groups for r in g['runs']) else 'token'
 

@@ -447,7 +447,7 @@ def test_every_committed_table_regenerates(tmp_path, monkeypatch):
         assert (out / 'table.md').read_text().split('\n', 1)[1] == body, table
 
 
-def test_the_loss_unit_comes_from_the_runs_not_from_this_machines_data(runs, tmp_path):
+def test_the_loss_unit_comes_from_the_runs_not_from_this_machines_data(runs, corpus, tmp_path):
     # a run's log names its dataset's tokenizer, so a report made where the data is absent (CI, a saved run) still
     # says nats per byte for byte-level runs; runs that recorded none fall back to the dataset's meta.json, then 'token'
     loaded = [report.load_run(runs[k]) for k in sorted(runs)]
@@ -461,7 +461,7 @@ def test_the_loss_unit_comes_from_the_runs_not_from_this_machines_data(runs, tmp
     assert report.token_unit(groups, data_root=nowhere) == 'token'
     dataset = nowhere / loaded[0]['config']['dataset']
     dataset.mkdir(parents=True)
-    (dataset / 'meta.json').write_text(json.dumps(dict(tokenizer='byte')))
+    (dataset / 'meta.json').write_text((corpus / 'tiny' / 'meta.json').read_text())     # a byte-level dataset's
     assert report.token_unit(groups, data_root=nowhere) == 'byte'
 
 
