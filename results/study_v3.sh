@@ -11,7 +11,7 @@
 # A grid whose best is at an edge (report.py --grid marks it) is extended by the next factor of 2 on all three tuning
 # seeds: EXTEND="mode:lr ..." adds those runs to the grid part.
 # The tables, from the saved runs (report.py):
-#   grid      python report.py results/runs/v3_grid/*.json --grid --unit=byte --out=results/study_v3/grid
+#   grid      python report.py results/runs/v3_grid/*.json --grid --unit=byte --no-figures --out=results/study_v3/grid
 #   pilot     python report.py results/runs/v3_pilot/*.json --claims=delta_attnres-standard,delta_attnres-full_attnres \
 #                 --unit=byte --effect=0.008 --out=results/study_v3/pilot        (its Power line: the SD that fixes N)
 #   verdict   python report.py results/runs/v3_verdict/*.json --claims=delta_attnres-standard,delta_attnres-full_attnres \
