@@ -498,3 +498,25 @@ def test_an_equivalence_margin_and_the_claims_a_study_registered(runs, capsys):
         with pytest.raises(SystemExit):
             report.parse_args(['x', f'--claims={wrong}'])
         assert "expected claims from attnres-standard, delta_attnres-delta_block" in capsys.readouterr().err
+
+
+def test_study_v3s_number_of_seeds_follows_from_its_pilot():
+    # results/study_v3/n_seeds.txt, committed before any verdict run: N is the fewest seeds with 80% power for
+    # m = 0.008 nats per byte at Holm's strictest level (0.05 / 2) from the larger of the pilot's two claim SDs, at
+    # most what 20 hours of one thread allow at the grid's median run times per arm (results/README.md, study v3).
+    # Recomputed here from the saved runs' own numbers, not through report.py's loaders.
+    runs = Path(__file__).parent / 'results' / 'runs'
+    saved = lambda path: json.loads(path.read_text())
+    final = {p.stem: [r['final_val_loss'] for r in saved(p)['records'] if 'final_val_loss' in r][-1]
+             for p in (runs / 'v3_pilot').glob('*.json')}
+    assert len(final) == 15     # three arms x seeds 200-204
+    sd = max(statistics.stdev(final[f'delta_attnres_s{s}'] - final[f'{other}_s{s}'] for s in range(200, 205))
+             for other in ('standard', 'full_attnres'))
+    minutes = sum(statistics.median(saved(runs / 'v3_grid' / f'{arm}_lr{lr}_s{s}.json')['seconds'] / 60
+                                    for lr in ('1.5e-3', '3e-3', '6e-3') for s in (100, 101, 102))
+                  for arm in ('standard', 'delta_attnres', 'full_attnres'))
+    cap = math.floor(20 * 60 / minutes)
+    text = (Path(__file__).parent / 'results' / 'study_v3' / 'n_seeds.txt').read_text()
+    n = int(text.split('\n', 1)[0])
+    assert n == min(report.seeds_needed(0.008, sd, 0.025), cap)
+    assert f'{sd:.4f}' in text and f'{report.detectable(sd, n, 0.025):.4f}' in text
