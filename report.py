@@ -715,7 +715,7 @@ def plot_claims(groups, path, effect=None, unit='token', claims=None):
     if not fams:
         return False
     plt = pyplot()
-    fig, axes = plt.subplots(len(fams), 1, figsize=(8, 0.45 * sum(len(p) for _, p, _ in fams) + 1.4 * len(fams)),
+    fig, axes = plt.subplots(len(fams), 1, figsize=(8, 0.45 * sum(len(p) for _, p, _ in fams) + 2.1 * len(fams)),
                              squeeze=False, sharex=True)
     for ax, (ref, pairs, rows) in zip(axes[:, 0], fams):
         for y, ((label, diffs), row) in enumerate(zip(pairs, rows)):
@@ -734,9 +734,11 @@ def plot_claims(groups, path, effect=None, unit='token', claims=None):
                        f'({POWER:.0%} power, Holm)' if x > 0 else None)
         if effect:
             ax.axvspan(-effect, effect, color='C2', alpha=0.15, label=f'± {effect:g}: the effect asked about')
-        ax.legend(fontsize=7, loc='upper center', bbox_to_anchor=(0.5, -0.1))    # below the axis: over no claim
+        # below the tick labels and the x label, a fixed half inch under the axis whatever the panel's height
+        under = ax.transAxes + plt.matplotlib.transforms.ScaledTranslation(0, -0.5, fig.dpi_scale_trans)
+        ax.legend(fontsize=7, loc='upper center', bbox_to_anchor=(0.5, 0), bbox_transform=under)
         ax.set_yticks(range(len(pairs)), [textwrap.fill(label, 45) for label, _ in pairs], fontsize=7)
-        ax.invert_yaxis()
+        ax.set_ylim(len(pairs) - 0.5, -0.5)      # the first claim on top, each half a row from the frame
         ax.grid(axis='x', alpha=0.3)
         ax.set_xlabel(f'final val loss difference, same seed, in nats per {unit} (below 0: the first is better)',
                       fontsize=8)
