@@ -735,7 +735,7 @@ def plot_claims(groups, path, effect=None, unit='token', claims=None):
         if effect:
             ax.axvspan(-effect, effect, color='C2', alpha=0.15, label=f'± {effect:g}: the effect asked about')
         # below the tick labels and the x label, a fixed half inch under the axis whatever the panel's height
-        under = ax.transAxes + plt.matplotlib.transforms.ScaledTranslation(0, -0.5, fig.dpi_scale_trans)
+        under = plt.matplotlib.transforms.offset_copy(ax.transAxes, fig=fig, y=-0.5, units='inches')
         ax.legend(fontsize=7, loc='upper center', bbox_to_anchor=(0.5, 0), bbox_transform=under)
         ax.set_yticks(range(len(pairs)), [textwrap.fill(label, 45) for label, _ in pairs], fontsize=7)
         ax.set_ylim(len(pairs) - 0.5, -0.5)      # the first claim on top, each half a row from the frame
