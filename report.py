@@ -904,10 +904,29 @@ def varying_settings(groups):
 
 
 def commit_warnings(groups):
-    return ['\n' + f"**Warning:** the runs of {g['label']} come from different commits: "
-            + '; '.join(f"{r['dir']}: {', '.join(sorted(r['commits']))}" for r in g['runs'])
-            + '. Their spread may be the code\'s, not the seeds\'.'
-            for g in groups if len(set().union(*(r['commits'] for r in g['runs']))) > 1]
+    """A warning for each group whose runs come from more than one commit, naming the seeds of each commit."""
+    lines = []
+    for g in groups:
+        if len(set().union(*(r['commits'] for r in g['runs']))) == 1:
+            continue
+        seeds = {}      # the commits of a run (more than one where it restarted from other code) -> its seeds
+        for r in sorted(g['runs'], key=lambda r: r['config']['seed']):
+            seeds.setdefault(', '.join(sorted(r['commits'])), []).append(r['config']['seed'])
+        lines += ['\n' + f"**Warning:** the runs of {g['label']} come from different commits: "
+                  + '; '.join(f"{c} (seed{'s' * (len(s) > 1)} {seed_ranges(s)})" for c, s in seeds.items())
+                  + '. Their spread may be the code\'s, not the seeds\'.']
+    return lines
+
+
+def seed_ranges(seeds):
+    """[0, 1, 2, 3, 7] -> '0-3, 7'"""
+    runs = []
+    for s in seeds:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ', '.join(f"{a}-{b}" if b > a + 1 else f"{a}, {b}" if b > a else f"{a}" for a, b in runs)
 
 
 def make_groups(runs):

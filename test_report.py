@@ -221,8 +221,10 @@ def test_the_commit_of_each_group_and_a_warning_when_they_differ(tmp_path, capsy
     rows = {r['mode']: r for r in parse(printed)}
     assert rows['standard']['commit'] == '0123456789'
     assert rows['delta_block']['commit'] == '0123456789, fedcba9876'
-    assert (f"**Warning:** the runs of delta_block come from different commits: {tmp_path}/d1: 0123456789; "
-            f"{tmp_path}/d2: fedcba9876") in printed
+    assert ("**Warning:** the runs of delta_block come from different commits: 0123456789 (seed 1); "
+            "fedcba9876 (seed 2).") in printed
+    assert report.seed_ranges([0, 1, 2, 3, 5, 6, 8, 10, 11, 12]) == '0-3, 5, 6, 8, 10-12'
+    assert report.seed_ranges([4]) == '4'
     assert printed.count('**Warning:**') == 1
 
 
