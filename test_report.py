@@ -522,3 +522,27 @@ def test_study_v3s_number_of_seeds_follows_from_its_pilot():
     n = int(text.split('\n', 1)[0])
     assert n == min(report.seeds_needed(0.008, sd, 0.025), cap)
     assert f'{sd:.4f}' in text and f'{report.detectable(sd, n, 0.025):.4f}' in text
+
+
+def test_study_v3s_verdict_runs_keep_its_design():
+    # the verdict's saved runs, as they come in (results/README.md, study v3): whole seeds among 0 to N-1, each arm at
+    # its grid pick, every run from a clean commit whose training code is the design's, all on one CPU type
+    runs = Path(__file__).parent / 'results' / 'runs' / 'v3_verdict'
+    v3 = Path(__file__).parent / 'results' / 'study_v3'
+    n = int((v3 / 'n_seeds.txt').read_text().split('\n', 1)[0])
+    picks = {mode: float(lr) for mode, lr in (line.split() for line in (v3 / 'grid' / 'best_lr.txt').read_text().splitlines())}
+    saved = {p.stem: json.loads(p.read_text()) for p in runs.glob('*.json')}
+    seeds = {run['config']['seed'] for run in saved.values()}
+    assert seeds and seeds <= set(range(n))
+    assert sorted(saved) == sorted(f'{arm}_s{s}' for arm in picks for s in seeds)     # whole seeds only
+    cpus = set()
+    for name, run in saved.items():
+        assert run['config']['residual'] == name.rsplit('_s', 1)[0]
+        assert run['config']['learning_rate'] == picks[run['config']['residual']], name
+        assert run['config']['min_lr'] == pytest.approx(picks[run['config']['residual']] / 10)
+        for p in (r['provenance'] for r in run['records'] if 'provenance' in r):
+            assert p['dirty'] == [], name
+            # 6d7e85f fixed N; 961d97f changed report.py's figure layout and results/ only
+            assert p['commit'][:7] in ('6d7e85f', '961d97f'), name
+            cpus.add(p['cpu'])
+    assert len(cpus) == 1, cpus
