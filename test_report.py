@@ -530,14 +530,14 @@ def test_study_v3s_verdict_runs_keep_its_design():
     runs = Path(__file__).parent / 'results' / 'runs' / 'v3_verdict'
     v3 = Path(__file__).parent / 'results' / 'study_v3'
     n = int((v3 / 'n_seeds.txt').read_text().split('\n', 1)[0])
-    picks = {mode: float(lr) for mode, lr in (line.split() for line in (v3 / 'grid' / 'best_lr.txt').read_text().splitlines())}
+    picks = {mode: float(lr) for mode, lr in map(str.split, (v3 / 'grid' / 'best_lr.txt').read_text().splitlines())}
     saved = {p.stem: json.loads(p.read_text()) for p in runs.glob('*.json')}
     seeds = {run['config']['seed'] for run in saved.values()}
     assert seeds and seeds <= set(range(n))
     assert sorted(saved) == sorted(f'{arm}_s{s}' for arm in picks for s in seeds)     # whole seeds only
     cpus = set()
     for name, run in saved.items():
-        assert run['config']['residual'] == name.rsplit('_s', 1)[0]
+        assert name == f"{run['config']['residual']}_s{run['config']['seed']}"     # the file is the run it names
         assert run['config']['learning_rate'] == picks[run['config']['residual']], name
         assert run['config']['min_lr'] == pytest.approx(picks[run['config']['residual']] / 10)
         for p in (r['provenance'] for r in run['records'] if 'provenance' in r):
